@@ -67,6 +67,10 @@ class PagedKVCache:
         self._k[layer][slots] = keys.astype(self.dtype)
         self._v[layer][slots] = values.astype(self.dtype)
 
+    def arrays(self) -> list[mx.array]:
+        """Every layer's current K and V arrays, e.g. to evaluate pending writes."""
+        return self._k + self._v
+
     def blocks(self, layer: int) -> tuple[mx.array, mx.array]:
         """The layer's K and V as `[num_blocks, block_size, num_kv_heads, head_dim]` views."""
         shape = (self.num_blocks, self.block_size, self.num_kv_heads, self.head_dim)

@@ -1,0 +1,84 @@
+"""Paged attention as a drop-in for mlx-lm's Llama/Qwen3 `Attention` modules.
+
+`PagedAttention` takes over the original module's projections, optional per-head norms
+(Qwen3's q_norm/k_norm) and RoPE under the same attribute names, so the parameter tree
+and weight loading are unchanged. Per forward it receives a `ForwardContext` in place
+of mlx-lm's KV cache and:
+  1. applies RoPE at each new token's absolute position (offset = num_computed_tokens);
+  2. writes the new K/V into the paged cache by slot;
+  3. attends over cached prefix + new tokens through the dispatcher.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+import mlx.core as mx
+import mlx.nn as nn
+from mlx_lm.models.rope_utils import Llama3RoPE
+
+from .kv_cache import PagedKVCache
+from .metadata import BatchMetadata
+
+# RoPE variants whose `offset` may be an array of per-row positions (they pass it
+# straight to mx.fast.rope); others compute with the offset in Python and would break.
+_ARRAY_OFFSET_ROPES = (nn.RoPE, Llama3RoPE)
+
+
+@dataclass(frozen=True, eq=False)
+class ForwardContext:
+    """Stands in for mlx-lm's per-layer cache object for one forward."""
+
+    meta: BatchMetadata
+    kv_cache: PagedKVCache
+    attention: Callable[..., mx.array]
+
+    def make_mask(self, *args, **kwargs) -> None:
+        # mlx-lm asks the cache for a mask; causality comes from the metadata instead.
+        return None
+
+
+class PagedAttention(nn.Module):
+    def __init__(self, attn: nn.Module, layer: int):
+        super().__init__()
+        if not isinstance(attn.rope, _ARRAY_OFFSET_ROPES):
+            raise ValueError(f"rope: {type(attn.rope).__name__} cannot take per-token positions")
+        self.q_proj, self.k_proj = attn.q_proj, attn.k_proj
+        self.v_proj, self.o_proj = attn.v_proj, attn.o_proj
+        if "q_norm" in attn:
+            self.q_norm, self.k_norm = attn.q_norm, attn.k_norm
+        self.rope = attn.rope
+        self.n_heads, self.n_kv_heads = attn.n_heads, attn.n_kv_heads
+        self.scale = attn.scale
+        self.layer = layer
+
+    def _rope(self, x: mx.array, positions: mx.array) -> mx.array:
+        # Each token is its own batch row so that it can carry its own offset.
+        return self.rope(x[:, :, None, :], offset=positions)[:, :, 0, :]
+
+    def __call__(self, x: mx.array, mask=None, cache: ForwardContext | None = None) -> mx.array:
+        if not isinstance(cache, ForwardContext):
+            raise ValueError("cache: PagedAttention runs only inside PagedModelRunner.forward")
+        _, num_tokens, _ = x.shape  # x: [1, T, hidden], all sequences packed
+        q = self.q_proj(x).reshape(num_tokens, self.n_heads, -1)
+        k = self.k_proj(x).reshape(num_tokens, self.n_kv_heads, -1)
+        v = self.v_proj(x).reshape(num_tokens, self.n_kv_heads, -1)
+        if "q_norm" in self:
+            q, k = self.q_norm(q), self.k_norm(k)
+        meta = cache.meta
+        q = self._rope(q, meta.positions)
+        k = self._rope(k, meta.positions)
+        cache.kv_cache.write(self.layer, k, v, meta.slot_mapping)
+        k_cache, v_cache = cache.kv_cache.blocks(self.layer)
+        out = cache.attention(q.astype(k_cache.dtype), k_cache, v_cache, meta.attn, self.scale)
+        return self.o_proj(out.astype(x.dtype).reshape(1, num_tokens, -1))
+
+
+def patch_attention(model: nn.Module) -> int:
+    """Replace every layer's `self_attn` with PagedAttention; returns the layer count."""
+    layers = model.layers
+    for i, layer in enumerate(layers):
+        if not isinstance(layer.self_attn, PagedAttention):
+            layer.self_attn = PagedAttention(layer.self_attn, i)
+    return len(layers)

@@ -1,0 +1,70 @@
+"""Built-in models: real mlx-lm model classes with seeded random weights.
+
+No hub downloads exist on these machines, so the default models are small configs of
+the real Llama and Qwen3 classes. `hf_config()` writes the matching Hugging Face style
+config.json that vLLM's ModelConfig reads.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import mlx.core as mx
+import mlx.nn as nn
+from mlx_lm.models import llama, qwen3
+
+_COMMON = dict(
+    rms_norm_eps=1e-5, rope_theta=10000.0, max_position_embeddings=4096,
+    # Untied: with random weights a tied head mostly echoes the input token back.
+    tie_word_embeddings=False,
+)
+BUILTIN_CONFIGS: dict[str, dict] = {
+    # Sized so the TTFT demo's ~16k prompt tokens prefill in tens of seconds on 2 CPU cores.
+    "llama-tiny": dict(model_type="llama", hidden_size=256, num_hidden_layers=4,
+                       intermediate_size=512, num_attention_heads=4, num_key_value_heads=1,
+                       head_dim=64, vocab_size=2048, **_COMMON),
+    "qwen3-tiny": dict(model_type="qwen3", hidden_size=256, num_hidden_layers=4,
+                       intermediate_size=512, num_attention_heads=8, num_key_value_heads=2,
+                       head_dim=64, vocab_size=2048, **_COMMON),
+    # Test-sized: fast enough for many forwards in unit tests.
+    "llama-test": dict(model_type="llama", hidden_size=128, num_hidden_layers=2,
+                       intermediate_size=256, num_attention_heads=4, num_key_value_heads=2,
+                       head_dim=64, vocab_size=512, **_COMMON),
+    "qwen3-test": dict(model_type="qwen3", hidden_size=128, num_hidden_layers=2,
+                       intermediate_size=256, num_attention_heads=8, num_key_value_heads=1,
+                       head_dim=64, vocab_size=512, **_COMMON),
+}
+_MODULES = {"llama": llama, "qwen3": qwen3}
+_ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen3": "Qwen3ForCausalLM"}
+
+
+def resolve_config(model: str | dict, **overrides) -> dict:
+    if isinstance(model, str):
+        if model not in BUILTIN_CONFIGS:
+            raise ValueError(f"model: {model!r} is not one of {sorted(BUILTIN_CONFIGS)}")
+        model = BUILTIN_CONFIGS[model]
+    config = {**model, **overrides}
+    if config.get("model_type") not in _MODULES:
+        raise ValueError(f"model_type: expected one of {sorted(_MODULES)}, got "
+                         f"{config.get('model_type')!r}")
+    return config
+
+
+def build_model(config: dict, dtype: mx.Dtype = mx.float32, seed: int = 0) -> nn.Module:
+    """An mlx-lm model of `config` with weights drawn from `seed`, cast to `dtype`."""
+    module = _MODULES[config["model_type"]]
+    mx.random.seed(seed)
+    model = module.Model(module.ModelArgs.from_dict(config))
+    model.set_dtype(dtype)
+    mx.eval(model.parameters())
+    return model
+
+
+def hf_config(config: dict, folder: Path, dtype: str = "float32") -> Path:
+    """Write `folder/config.json` for vLLM's ModelConfig (no weights, no tokenizer)."""
+    folder.mkdir(parents=True, exist_ok=True)
+    body = {**config, "architectures": [_ARCHITECTURES[config["model_type"]]],
+            "torch_dtype": dtype, "bos_token_id": 1, "eos_token_id": 2}
+    (folder / "config.json").write_text(json.dumps(body, indent=1))
+    return folder
