@@ -10,8 +10,8 @@ Only backends whose device exists on this machine are listed.
 from __future__ import annotations
 
 import functools
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
 import mlx.core as mx
 

@@ -137,7 +137,7 @@ def merge_partials(o_part: mx.array, lse_part: mx.array, plan: TilePlan, out_sha
     lse = mx.where(mx.array(slots >= 0)[..., None], lse_part[mx.array(np.maximum(slots, 0))],
                    -mx.inf)  # [tiles, splits, block_m]
     top = mx.max(lse, axis=1, keepdims=True)
-    w = mx.exp2(lse - mx.where(top == -mx.inf, 0, top))
+    w = mx.power(2.0, lse - mx.where(top == -mx.inf, 0, top))
     w = w / mx.sum(w, axis=1, keepdims=True)
     o = mx.sum(o_part[mx.array(np.maximum(slots, 0))] * w[..., None], axis=1)  # [tiles, bm, D]
     # scatter the valid rows of every tile to (token, head)

@@ -37,7 +37,8 @@ def check_attention_inputs(
     if block_size != meta.block_size:
         raise ValueError(f"k_cache: block size {block_size} but metadata says {meta.block_size}")
     if num_blocks < meta.num_blocks:
-        raise ValueError(f"k_cache: {num_blocks} blocks but block tables may name {meta.num_blocks}")
+        raise ValueError(
+            f"k_cache: {num_blocks} blocks but block tables may name {meta.num_blocks}")
     if q.shape[2] != head_dim:
         raise ValueError(f"q: head_dim {q.shape[2]} differs from the cache's {head_dim}")
     if q.shape[1] % num_kv_heads:

@@ -102,6 +102,7 @@ class Engine:
         init_none_hash(sha256)
         self._hasher = get_request_block_hasher(config.block_size, sha256)
         self.results: dict[str, RequestResult] = {}
+        self.num_resumed = 0  # preempted requests brought back: they re-run part of a prompt
 
     def add_request(self, req_id: str, prompt_ids: list[int], max_tokens: int) -> None:
         if req_id in self.results:
@@ -117,6 +118,7 @@ class Engine:
         so = self.scheduler.schedule()
         for new in so.scheduled_new_reqs:
             self.results[new.req_id].cached_tokens = new.num_computed_tokens
+        self.num_resumed += len(so.scheduled_cached_reqs.resumed_req_ids)
         out = self.runner.execute_model(so)
         now = time.perf_counter()
         finished = []

@@ -1,0 +1,203 @@
+"""Paged-prefill attention sweep: JIT kernel vs gather reference vs contiguous SDPA ceiling.
+
+    python bench/attention_sweep.py --out sweep.json [--quick]
+
+Points: H=32, Hkv=8, D=128, bf16, block 16, pages shuffled; context C in {0, 1024, 4096,
+16384} x new tokens Lq in {1 (a batch of 32 decode rows, each with context C), 16, 64, 512,
+4096}, plus a batch of 8 sequences with mixed prefix hits. --quick (and any machine without
+a GPU kernel backend) shrinks the sizes; without a backend only the reference and the
+ceiling run.
+
+Per path: microseconds per call, TFLOP/s with FLOPs = 4 H D Lq (C + (Lq + 1) / 2) per
+sequence (the causal half of the new block), and effective GB/s = (K/V read + q + out
+bytes) / time. Timing: one mx.eval round trip costs 50-100 us, so each sample evaluates K
+independent calls at once and divides; the median of the samples is reported.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+from dataclasses import dataclass
+
+import mlx.core as mx
+import numpy as np
+
+import reference
+from jit_kernels import available_backends
+from paged_prefix.dispatch import Dispatcher
+from paged_prefix.metadata import AttentionMetadata, build_attention_metadata
+
+HEADS, KV_HEADS, HEAD_DIM, BLOCK_SIZE, DTYPE = 32, 8, 128, 16, mx.bfloat16
+MIXED = ([512, 1, 64, 1, 16, 2048, 1, 128], [4096, 8000, 0, 300, 16384, 1024, 2000, 12000])
+
+
+@dataclass
+class Point:
+    name: str
+    q_lens: list[int]
+    ctx_lens: list[int]
+
+
+def sweep_points(quick: bool) -> list[Point]:
+    contexts, q_lens, decode_batch = ([0, 256], [1, 16, 64], 4) if quick else (
+        [0, 1024, 4096, 16384], [1, 16, 64, 512, 4096], 32)
+    points = []
+    for c in contexts:
+        for lq in q_lens:
+            if lq == 1:
+                points.append(Point(f"C{c}_decode{decode_batch}", [1] * decode_batch,
+                                    [c] * decode_batch))
+            else:
+                points.append(Point(f"C{c}_Lq{lq}", [lq], [c]))
+    q_mixed, c_mixed = MIXED
+    if quick:
+        q_mixed, c_mixed = [max(1, q // 16) for q in q_mixed], [c // 16 for c in c_mixed]
+    points.append(Point("mixed8", q_mixed, c_mixed))
+    return points
+
+
+@dataclass
+class Case:
+    q: mx.array
+    k_cache: mx.array
+    v_cache: mx.array
+    meta: AttentionMetadata
+    k_seqs: list[mx.array]  # contiguous [1, Hkv, L, D] per sequence (the ceiling's input)
+    v_seqs: list[mx.array]
+    q_seqs: list[mx.array]  # [1, H, Lq, D]
+
+
+def make_case(point: Point, seed: int = 0) -> Case:
+    """Random bf16 q/K/V; every sequence's pages shuffled across one cache."""
+    rng = np.random.default_rng(seed)
+    seq_lens = [q + c for q, c in zip(point.q_lens, point.ctx_lens)]
+    needed = [-(-n // BLOCK_SIZE) for n in seq_lens]
+    num_blocks = sum(needed) + 1
+    tables = np.split(rng.permutation(num_blocks)[: sum(needed)], np.cumsum(needed)[:-1])
+    shape = (num_blocks, BLOCK_SIZE, KV_HEADS, HEAD_DIM)
+    k_cache = mx.random.normal(shape, key=mx.random.key(seed)).astype(DTYPE)
+    v_cache = mx.random.normal(shape, key=mx.random.key(seed + 1)).astype(DTYPE)
+    q = mx.random.normal((sum(point.q_lens), HEADS, HEAD_DIM), key=mx.random.key(seed + 2))
+    q = q.astype(DTYPE)
+    meta = build_attention_metadata(point.q_lens, point.ctx_lens,
+                                    [t.tolist() for t in tables], BLOCK_SIZE, num_blocks)
+    k_seqs, v_seqs, q_seqs = [], [], []
+    cu = meta.cu_seqlens_q_host
+    for s, n in enumerate(seq_lens):
+        k, v = reference.gather_kv(k_cache, v_cache, meta.block_tables[s], n)
+        k_seqs.append(mx.contiguous(k.transpose(1, 0, 2)[None]))
+        v_seqs.append(mx.contiguous(v.transpose(1, 0, 2)[None]))
+        q_seqs.append(mx.contiguous(q[cu[s]:cu[s + 1]].transpose(1, 0, 2)[None]))
+    mx.eval(k_cache, v_cache, q, k_seqs, v_seqs, q_seqs)
+    return Case(q, k_cache, v_cache, meta, k_seqs, v_seqs, q_seqs)
+
+
+def ceiling_fn(case: Case, scale: float):
+    """SDPA on already-contiguous K/V: what attention costs with no paging at all."""
+    decode = all(q.shape[2] == 1 for q in case.q_seqs) and len(case.q_seqs) > 1 and \
+        len({k.shape[2] for k in case.k_seqs}) == 1
+    if decode:  # equal-length decode rows: one batched call
+        qb, kb, vb = (mx.concatenate(x, axis=0) for x in (case.q_seqs, case.k_seqs, case.v_seqs))
+        mx.eval(qb, kb, vb)
+        return lambda: mx.fast.scaled_dot_product_attention(qb, kb, vb, scale=scale)
+    return lambda: [
+        mx.fast.scaled_dot_product_attention(q, k, v, scale=scale,
+                                             mask="causal" if q.shape[2] > 1 else None)
+        for q, k, v in zip(case.q_seqs, case.k_seqs, case.v_seqs)]
+
+
+def time_per_call(fn, budget_s: float = 0.03, samples: int = 5) -> float:
+    """Median seconds per call, K independent calls per mx.eval (K sized to ~budget_s)."""
+    mx.eval(fn())  # build / compile / warm
+    t0 = time.perf_counter()
+    mx.eval(fn())
+    once = time.perf_counter() - t0
+    calls = max(1, min(200, int(budget_s / max(once, 1e-6))))
+    times = []
+    for _ in range(samples):
+        t0 = time.perf_counter()
+        mx.eval([fn() for _ in range(calls)])
+        times.append((time.perf_counter() - t0) / calls)
+    return statistics.median(times)
+
+
+def point_cost(point: Point) -> tuple[float, float]:
+    """(FLOPs, bytes) of one call at this point."""
+    flops = sum(4 * HEADS * HEAD_DIM * lq * (c + (lq + 1) / 2)
+                for lq, c in zip(point.q_lens, point.ctx_lens))
+    elem = 2  # bf16
+    kv = sum(2 * (lq + c) * KV_HEADS * HEAD_DIM * elem for lq, c in zip(point.q_lens, point.ctx_lens))
+    qo = 2 * sum(point.q_lens) * HEADS * HEAD_DIM * elem
+    return flops, kv + qo
+
+
+def run_point(point: Point, kernel_name: str | None) -> dict:
+    case = make_case(point)
+    scale = HEAD_DIM ** -0.5
+    args = (case.q, case.k_cache, case.v_cache, case.meta, scale)
+    paths = {"reference": lambda: reference.paged_attention(*args),
+             "ceiling": ceiling_fn(case, scale)}
+    auto = Dispatcher(path="auto")
+    if kernel_name:
+        kernel = available_backends()[kernel_name].paged_attention
+        paths["kernel"] = lambda: kernel(*args)
+        paths["auto"] = lambda: auto(*args)
+    flops, nbytes = point_cost(point)
+    row = {"point": point.name, "q_lens": point.q_lens, "ctx_lens": point.ctx_lens,
+           "flops": flops, "bytes": nbytes}
+    for name, fn in paths.items():
+        sec = time_per_call(fn)
+        row[name] = {"us": sec * 1e6, "tflops": flops / sec / 1e12, "gbps": nbytes / sec / 1e9}
+    if kernel_name:
+        row["auto_path"] = auto.last.path
+        row["ref_over_kernel"] = row["reference"]["us"] / row["kernel"]["us"]
+        row["kernel_over_ceiling"] = row["kernel"]["us"] / row["ceiling"]["us"]
+    del case
+    mx.clear_cache()
+    return row
+
+
+def print_table(rows: list[dict]) -> None:
+    has_kernel = "kernel" in rows[0]
+    head = f"{'point':<16}{'ref us':>10}{'ceil us':>10}"
+    if has_kernel:
+        head += f"{'kern us':>10}{'auto us':>10}{'kern TF/s':>10}{'kern GB/s':>10}" \
+                f"{'ref/kern':>9}{'kern/ceil':>10}  auto"
+    print(head)
+    for r in rows:
+        line = f"{r['point']:<16}{r['reference']['us']:>10.1f}{r['ceiling']['us']:>10.1f}"
+        if has_kernel:
+            k = r["kernel"]
+            line += f"{k['us']:>10.1f}{r['auto']['us']:>10.1f}{k['tflops']:>10.1f}" \
+                    f"{k['gbps']:>10.0f}{r['ref_over_kernel']:>9.2f}" \
+                    f"{r['kernel_over_ceiling']:>10.2f}  {r['auto_path']}"
+        print(line, flush=True)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", default="attention_sweep.json", help="JSON results path")
+    parser.add_argument("--quick", action="store_true", help="small sizes (CPU smoke run)")
+    parser.add_argument("--only", default="", help="comma-separated point names to run")
+    args = parser.parse_args()
+    backends = available_backends()
+    kernel_name = next(iter(backends), None)
+    quick = args.quick or kernel_name is None
+    points = [p for p in sweep_points(quick) if not args.only or p.name in args.only.split(",")]
+    rows = []
+    for p in points:
+        rows.append(run_point(p, kernel_name))
+        print(f"{p.name}: done", flush=True)
+    print_table(rows)
+    info = {"device": mx.device_info(), "kernel": kernel_name, "quick": quick,
+            "dtype": str(DTYPE), "heads": HEADS, "kv_heads": KV_HEADS, "head_dim": HEAD_DIM,
+            "block_size": BLOCK_SIZE}
+    with open(args.out, "w") as f:
+        json.dump({"info": info, "rows": rows}, f, indent=1, default=str)
+
+
+if __name__ == "__main__":
+    main()
