@@ -95,6 +95,8 @@ class VllmModelRunner:
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
         if self.runner is None:
             raise ValueError("initialize_kv_cache must run before execute_model")
+        if scheduler_output.scheduled_spec_decode_tokens:
+            raise ValueError("scheduled_spec_decode_tokens: speculative decoding is not supported")
         computed = self._update_states(scheduler_output)
         req_ids = list(scheduler_output.num_scheduled_tokens)
         if not req_ids:
