@@ -10,9 +10,9 @@ from __future__ import annotations
 
 import mlx.core as mx
 import pytest
+from attention_sweep import HEAD_DIM, ceiling_fn, make_case, point_cost, sweep_points
 
 import reference
-from attention_sweep import HEAD_DIM, ceiling_fn, make_case, point_cost, sweep_points
 from jit_kernels import available_backends
 
 KERNEL = next(iter(available_backends()), None)

@@ -5,8 +5,10 @@ list and split-KV plan (`schedule.py`), the same per-item algorithm, Apple-nativ
 launch serves prefill and decode rows of every sequence; K/V are read from the paged cache
 through the block table (no gather copy); split tiles are combined by a second, merge launch.
 
-Nothing here has been run or timed on Apple hardware (this code was written on a machine with
-no Metal back-end); the tiling math was checked by a lane-level numpy emulation.
+Nothing here has been run or timed on Apple hardware (it was written on a machine with no
+Metal back-end). The kernel sources were checked by compiling them as C++ against a CPU mock of
+the MSL subset they use (a thread per GPU thread, barriers, 8x8 simdgroup MMA and shuffles on
+steel's lane layout) and comparing with `reference.dense_attention`.
 """
 
 from __future__ import annotations
@@ -22,21 +24,20 @@ from paged_prefix.metadata import AttentionMetadata
 
 from . import schedule, support
 
-BLOCK_Q = 32  # MMA rows per threadgroup: 4 simdgroups x one 8-row fragment band each
+# Query-tile rows (the plan's block_m): 4 simdgroups x one 8-row fragment band each; a tile
+# holds BLOCK_Q // group tokens, so rows past ntok * group (2 of 32 for group 3) are padding.
+BLOCK_Q = 32
 NUM_THREADS = 128  # 4 simdgroups of 32
+# D=256 holds 128 fp32 fragment elements of Q and O per thread: expect register spills there.
 HEAD_DIMS = (64, 96, 128, 256)
-# Keys per K/V tile; threadgroup bytes (K^T + V + page offsets, 2-byte elements, 16-byte row
-# padding) stay under the 32 KB limit: D=64 10,240; D=96 14,848; D=128 19,456; D=256 20,992.
+# Keys per K/V tile; threadgroup bytes (K + V tiles with 16-byte row padding, 2-byte elements,
+# + page offsets) stay under the 32 KB limit: D=64 9,728; D=96 13,824; D=128 17,920; D=256 17,152.
 BLOCK_N = {64: 32, 96: 32, 128: 32, 256: 16}
-# Split-KV target: schedule.split_counts fills GPU_CORES x 2 threadgroups. Unmeasured: Apple
-# GPUs have 8 (M1) to 80 (M3 Ultra) cores and MLX does not report the count.
+# Split KV when a forward has fewer than GPU_CORES query tiles, into about 2 x GPU_CORES items
+# (schedule.build_tile_plan). Unmeasured: Apple GPUs have 8 (M1) to 80 (M3 Ultra) cores and
+# MLX does not report the count.
 GPU_CORES = 16
 LOG2E = math.log2(math.e)
-
-
-def block_m(group: int) -> int:
-    """Plan rows per tile: whole GQA groups within BLOCK_Q (28..32 rows; the rest idle)."""
-    return group * (BLOCK_Q // group)
 
 
 HEADER = f"""
@@ -68,13 +69,14 @@ inline long pp_row_offset(Table table, int key, int kv_end, long row_stride, lon
 #          block_tables [S, max_blocks] int32; work [num_items, WORK_COLS] int32 (schedule.py);
 #          qk_scale float32 [1] = scale * log2(e), folded into Q so the softmax runs on exp2.
 # Outputs: out [T, H, D] T (items with SLOT < 0);
-#          o_part [slots, BM, D] float32, lse_part [slots, BM] float32 (SLOT >= 0): per-split
+#          o_part [slots, BLOCK_Q, D] float32, lse_part [slots, BLOCK_Q] float32 (SLOT >= 0): per-split
 #          output normalised by its own row sum, and its log2-sum-exp (-inf: the split saw no key).
 # Template: T, HEAD_DIM, GROUP, BS (block size), BN (keys per K/V tile).
 # Grid: one threadgroup of NUM_THREADS per work item. Tile row r (simdgroup r / 8) is token
 # r / GROUP, query head KV_HEAD * GROUP + r % GROUP, so each K/V tile serves the whole group.
-# Threadgroup memory: k_t [HEAD_DIM][BN + PAD] (K transposed: a B-fragment pair is contiguous),
-# v_s [BN][HEAD_DIM + PAD], row_off [2][BN] int64 (page offsets, double-buffered).
+# Threadgroup memory: k_s, v_s [BN][HEAD_DIM + PAD] (row-major: the loader's stores are
+# contiguous, where a transposed K tile would stride them by a row), row_off [2][BN] int64
+# (page offsets, double-buffered).
 # Fragments: Q, O and S are simdgroup_float8x8 in registers; a lane holds row fm, columns
 # fn, fn + 1 of each (MLX steel's layout). K/V are converted to float on their way from
 # threadgroup memory into fragments (simdgroup_load needs matching element types), so every
@@ -82,12 +84,11 @@ inline long pp_row_offset(Table table, int key, int kv_end, long row_stride, lon
 ATTENTION_SOURCE = r"""
   constexpr int D = HEAD_DIM, TD = D / 8, TK = BN / 8;
   constexpr int PAD = 16 / sizeof(T);
-  constexpr int LDK = BN + PAD, LDV = D + PAD;
-  constexpr int BM = GROUP * (BLOCK_Q / GROUP);
+  constexpr int LD = D + PAD;  // k_s / v_s row stride
   constexpr int CHUNKS = BN * D / 4;  // 4-element vectors per K (or V) tile
   static_assert(CHUNKS % NUM_THREADS == 0 && BN <= NUM_THREADS, "tile loader shape");
-  threadgroup T k_t[D * LDK];
-  threadgroup T v_s[BN * LDV];
+  threadgroup T k_s[BN * LD];
+  threadgroup T v_s[BN * LD];
   threadgroup long row_off[2][BN];
 
   const uint tid = thread_index_in_threadgroup;
@@ -126,7 +127,8 @@ ATTENTION_SOURCE = r"""
   // keys < mask_from are visible to every row of the tile: tiles below it skip the mask
   const int mask_from = min(pos0 + 1, kv_end);
 
-  if (tid < BN) row_off[0][tid] = pp_row_offset<BS>(table, kv_start + tid, kv_end, row_stride, head_off);
+  if (tid < BN)
+    row_off[0][tid] = pp_row_offset<BS>(table, kv_start + tid, kv_end, row_stride, head_off);
   int buf = 0;
   for (int n0 = kv_start; n0 < kv_end; n0 += BN, buf ^= 1) {
     threadgroup_barrier(mem_flags::mem_threadgroup);  // last tile consumed; row_off[buf] ready
@@ -140,23 +142,25 @@ ATTENTION_SOURCE = r"""
         vv = *(const device vec<T, 4>*)(v_cache + off + d);
       }
       PP_UNROLL for (int e = 0; e < 4; ++e) {
-        k_t[(d + e) * LDK + j] = kv[e];
-        v_s[j * LDV + d + e] = vv[e];
+        k_s[j * LD + d + e] = kv[e];
+        v_s[j * LD + d + e] = vv[e];
       }
     }
     threadgroup_barrier(mem_flags::mem_threadgroup);  // tile visible to every simdgroup
     // next tile's pages, resolved once per row while this one computes (other buffer)
-    if (tid < BN) row_off[buf ^ 1][tid] = pp_row_offset<BS>(table, n0 + BN + tid, kv_end, row_stride, head_off);
+    if (tid < BN)
+      row_off[buf ^ 1][tid] = pp_row_offset<BS>(table, n0 + BN + tid, kv_end, row_stride, head_off);
     if (!sg_active) continue;
 
     simdgroup_float8x8 s_acc[TK];  // S = (Q * scale * log2 e) K^T, 8 rows x BN keys
-    PP_UNROLL for (int tk = 0; tk < TK; ++tk) s_acc[tk] = make_filled_simdgroup_matrix<float, 8, 8>(0.0f);
+    PP_UNROLL for (int tk = 0; tk < TK; ++tk)
+      s_acc[tk] = make_filled_simdgroup_matrix<float, 8, 8>(0.0f);
     PP_UNROLL for (int td = 0; td < TD; ++td) {
       PP_UNROLL for (int tk = 0; tk < TK; ++tk) {
-        const threadgroup T* src = k_t + (td * 8 + fm) * LDK + tk * 8 + fn;  // K^T[d][key]
+        const threadgroup T* src = k_s + (tk * 8 + fn) * LD + td * 8 + fm;  // K^T[d][key]
         simdgroup_float8x8 k_frag;
         k_frag.thread_elements()[0] = float(src[0]);
-        k_frag.thread_elements()[1] = float(src[1]);
+        k_frag.thread_elements()[1] = float(src[LD]);
         simdgroup_multiply_accumulate(s_acc[tk], q_frag[td], k_frag, s_acc[tk]);
       }
     }
@@ -192,7 +196,7 @@ ATTENTION_SOURCE = r"""
       o_acc[td].thread_elements()[0] *= alpha;
       o_acc[td].thread_elements()[1] *= alpha;
       PP_UNROLL for (int tk = 0; tk < TK; ++tk) {
-        const threadgroup T* src = v_s + (tk * 8 + fm) * LDV + td * 8 + fn;  // V[key][d]
+        const threadgroup T* src = v_s + (tk * 8 + fm) * LD + td * 8 + fn;  // V[key][d]
         simdgroup_float8x8 v_frag;
         v_frag.thread_elements()[0] = float(src[0]);
         v_frag.thread_elements()[1] = float(src[1]);
@@ -210,30 +214,30 @@ ATTENTION_SOURCE = r"""
       dst[td * 8 + 1] = T(o_acc[td].thread_elements()[1] * inv);
     }
   } else {
-    device float* dst = o_part + (long(slot) * BM + r) * D + fn;
+    device float* dst = o_part + (long(slot) * BLOCK_Q + r) * D + fn;
     PP_UNROLL for (int td = 0; td < TD; ++td) {
       dst[td * 8] = o_acc[td].thread_elements()[0] * inv;
       dst[td * 8 + 1] = o_acc[td].thread_elements()[1] * inv;
     }
-    if (fn == 0) lse_part[long(slot) * BM + r] = l_run > 0.0f ? m_run + log2(l_run) : NEG_INF;
+    if (fn == 0) lse_part[long(slot) * BLOCK_Q + r] = l_run > 0.0f ? m_run + log2(l_run) : NEG_INF;
   }
 """
 
 # Inputs:  o_part, lse_part (above); merge [num_tiles, MERGE_COLS] int32 (schedule.py).
-# Output:  out [T, H, D] T. Template: T, HEAD_DIM, GROUP, NUM_HEADS. Grid: one threadgroup of NUM_THREADS per split tile; a
-# simdgroup per row, lane + 32 j columns per lane (coalesced).
+# Output:  out [T, H, D] T. Template: T, HEAD_DIM, GROUP, NUM_HEADS.
+# Grid: one threadgroup of NUM_THREADS per tile; a simdgroup per row, columns lane + 32 j.
 MERGE_SOURCE = r"""
-  constexpr int D = HEAD_DIM, PER_LANE = D / 32, BM = GROUP * (BLOCK_Q / GROUP);
+  constexpr int D = HEAD_DIM, PER_LANE = D / 32;
   const uint sg = simdgroup_index_in_threadgroup, lane = thread_index_in_simdgroup;
   auto item = merge + threadgroup_position_in_grid.x * MERGE_COLS;  // constant if < 8 ints
   const int tok0 = item[0], ntok = item[1], kvh = item[2], first = item[3], nsplit = item[4];
   for (int row = sg; row < ntok * GROUP; row += NUM_THREADS / 32) {
     float top = NEG_INF;
-    for (int s = 0; s < nsplit; ++s) top = max(top, lse_part[long(first + s) * BM + row]);
+    for (int s = 0; s < nsplit; ++s) top = max(top, lse_part[long(first + s) * BLOCK_Q + row]);
     const float base = top == NEG_INF ? 0.0f : top;
     float acc[PER_LANE] = {0.0f}, sum = 0.0f;
     for (int s = 0; s < nsplit; ++s) {
-      const long part = long(first + s) * BM + row;
+      const long part = long(first + s) * BLOCK_Q + row;
       const float w = exp2(lse_part[part] - base);
       sum += w;
       PP_UNROLL for (int j = 0; j < PER_LANE; ++j) acc[j] += w * o_part[part * D + lane + 32 * j];
@@ -253,6 +257,8 @@ def _variant(dtype: mx.Dtype, head_dim: int, group: int) -> str:
 
 @functools.cache
 def _attention_kernel(dtype: mx.Dtype, head_dim: int, group: int, block_size: int):
+    # ensure_row_contiguous (the default) copies a strided input: PagedKVCache.blocks() views
+    # are contiguous, so the caches are bound in place.
     return mx.fast.metal_kernel(
         name=f"metal_paged_prefill_{_SOURCE_HASH}_{_variant(dtype, head_dim, group)}_b{block_size}",
         input_names=["q", "k_cache", "v_cache", "block_tables", "work", "qk_scale"],
@@ -274,10 +280,10 @@ def _merge_kernel(dtype: mx.Dtype, head_dim: int, group: int):
 
 
 def _tile_plan(meta: AttentionMetadata, group: int, num_kv_heads: int, head_dim: int):
-    bm, bn = block_m(group), BLOCK_N[head_dim]
+    bn = BLOCK_N[head_dim]
     return meta.plan(
-        f"metal_paged:{bm}x{bn}:g{group}:hkv{num_kv_heads}",
-        lambda m: schedule.build_tile_plan(m, group, num_kv_heads, bm, bn, GPU_CORES),
+        f"metal_paged:{BLOCK_Q}x{bn}:g{group}:hkv{num_kv_heads}",
+        lambda m: schedule.build_tile_plan(m, group, num_kv_heads, BLOCK_Q, bn, GPU_CORES),
     )
 
 
@@ -307,7 +313,6 @@ def paged_attention(
     _, block_size, num_kv_heads, _ = k_cache.shape
     group = num_heads // num_kv_heads
     plan = _tile_plan(meta, group, num_kv_heads, head_dim)
-    bm = block_m(group)
     slots = max(plan.num_slots, 1)  # outputs cannot be empty; unused when nothing is split
     out, o_part, lse_part = _attention_kernel(q.dtype, head_dim, group, block_size)(
         inputs=[q, k_cache, v_cache, meta.block_tables, plan.work,
@@ -316,7 +321,7 @@ def paged_attention(
                   ("BS", block_size), ("BN", BLOCK_N[head_dim])],
         grid=(plan.num_items * NUM_THREADS, 1, 1),
         threadgroup=(NUM_THREADS, 1, 1),
-        output_shapes=[q.shape, (slots, bm, head_dim), (slots, bm)],
+        output_shapes=[q.shape, (slots, BLOCK_Q, head_dim), (slots, BLOCK_Q)],
         output_dtypes=[q.dtype, mx.float32, mx.float32],
     )
     if plan.merge is None:

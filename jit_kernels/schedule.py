@@ -4,7 +4,8 @@ Built once per forward through `meta.plan(...)` and read by every layer without 
 
 Tiles. A query tile holds `block_m // group` tokens of one sequence times the `group` query
 heads that share one kv head, so row r of a tile is (token r // group, head r % group) and
-each K/V tile is read once for the whole GQA group. A kv tile is `block_n` keys.
+each K/V tile is read once for the whole GQA group (rows past ntok * group are padding).
+A kv tile is `block_n` keys.
 
 Work list (int32 [num_items, WORK_COLS]), one threadblock per row:
   SEQ       sequence index (row of block_tables)
@@ -46,6 +47,7 @@ class TilePlan:
     merge: mx.array | None  # int32 [num_tiles, MERGE_COLS]; None when nothing is split
     num_items: int
     num_slots: int  # partial slots (== num_items when split, else 0)
+    max_rows: int  # most valid rows in one query tile (ntok * group)
     work_host: np.ndarray
     merge_host: np.ndarray | None
 
@@ -67,12 +69,13 @@ def _query_tiles(meta: AttentionMetadata, group: int, num_kv_heads: int, block_m
     return cols, kv_head
 
 
-def split_counts(kv_tiles: np.ndarray, num_sms: int, ctas_per_sm: int, min_chunk: int) -> np.ndarray:
-    """Splits per query tile: enough chunks of >= min_chunk kv tiles to fill the GPU once."""
-    target = num_sms * ctas_per_sm
-    if len(kv_tiles) >= target:
+def split_counts(kv_tiles: np.ndarray, min_items: int, target_items: int,
+                 min_chunk: int) -> np.ndarray:
+    """Splits per query tile: none when there are min_items tiles already, else chunks of
+    >= min_chunk kv tiles making about target_items items."""
+    if len(kv_tiles) >= min_items:
         return np.ones_like(kv_tiles)
-    chunk = max(min_chunk, -(-int(kv_tiles.sum()) // target))
+    chunk = max(min_chunk, -(-int(kv_tiles.sum()) // target_items))
     return np.maximum(1, -(-kv_tiles // chunk))
 
 
@@ -85,14 +88,18 @@ def build_tile_plan(
     num_sms: int,
     ctas_per_sm: int = 2,
     min_chunk: int = 2,
+    min_items: int | None = None,
 ) -> TilePlan:
-    """The work list (and merge list when KV is split) of one forward; see the module doc."""
-    if block_m % group:
-        raise ValueError(f"block_m {block_m} must be a multiple of the GQA group {group}")
+    """The work list (and merge list when KV is split) of one forward; see the module doc.
+
+    KV is split when the plan has fewer than min_items (default num_sms: one per core)
+    query tiles, into about num_sms * ctas_per_sm items of >= min_chunk kv tiles each.
+    """
     (seq, tok0, ntok, pos0), kv_head = _query_tiles(meta, group, num_kv_heads, block_m)
     kv_end = pos0 + ntok
     kv_tiles = -(-kv_end // block_n)
-    splits = split_counts(kv_tiles, num_sms, ctas_per_sm, min_chunk)
+    min_items = num_sms if min_items is None else min_items
+    splits = split_counts(kv_tiles, min_items, num_sms * ctas_per_sm, min_chunk)
     # balanced chunks: split j of a tile covers kv tiles [j*n//k, (j+1)*n//k)
     tile_of_item = np.repeat(np.arange(len(seq)), splits)
     j = np.arange(len(tile_of_item)) - np.repeat(np.cumsum(splits) - splits, splits)
@@ -115,6 +122,7 @@ def build_tile_plan(
         merge=None if merge_host is None else mx.array(merge_host),
         num_items=len(work),
         num_slots=len(work) if is_split else 0,
+        max_rows=int(ntok.max()) * group,
         work_host=work,
         merge_host=merge_host,
     )

@@ -12,10 +12,9 @@ The CPU tests check the shared planner (schedule.py) by emulating its work list 
 
 from __future__ import annotations
 
+import mlx.core as mx
 import numpy as np
 import pytest
-
-import mlx.core as mx
 
 import reference
 from jit_kernels import available_backends, schedule
@@ -75,8 +74,21 @@ def rel_err(out, ref) -> float:
     return float(mx.sqrt(diff / ref.square().sum()).item())
 
 
+@pytest.fixture(params=[64, 128], ids=["m64", "m128"])
+def block_m(request, monkeypatch):
+    """Forces the CUDA kernel's 64- or 128-row tile variant (its own rule picks by size)."""
+    if mx.cuda.is_available():
+        from jit_kernels import cuda_paged_attention
+
+        threshold = 0 if request.param == 128 else 10**9
+        monkeypatch.setattr(cuda_paged_attention, "MIN_TILES_FOR_BLOCK_M_128", threshold)
+    return request.param
+
+
 def check_backend(backend, q_lens, ctx_lens, num_heads=16, num_kv_heads=4, head_dim=128,
-                  block_size=16, dtype=mx.bfloat16, **kw):
+                  block_size=16, dtype=mx.bfloat16, block_m=None, **kw):
+    if block_m == 128 and backend != "cuda":
+        pytest.skip("128-row tiles are a CUDA variant")
     q, k_cache, v_cache, meta, ks, vs = make_case(q_lens, ctx_lens, num_heads, num_kv_heads,
                                                   head_dim, block_size, dtype, **kw)
     scale = head_dim ** -0.5
@@ -98,8 +110,8 @@ def check_backend(backend, q_lens, ctx_lens, num_heads=16, num_kv_heads=4, head_
 @pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("q_len,ctx", [(5, 13), (129, 334), (1, 998), (64, 0), (16, 4080),
                                        (512, 3584), (17, 15), (37, 16), (127, 17)])
-def test_single_sequence(backend, q_len, ctx):
-    check_backend(backend, [q_len], [ctx])
+def test_single_sequence(backend, q_len, ctx, block_m):
+    check_backend(backend, [q_len], [ctx], block_m=block_m)
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
@@ -108,8 +120,16 @@ def test_single_sequence(backend, q_len, ctx):
     ([1] * 32, list(range(0, 3200, 100))),             # a decode batch (split KV)
     ([64, 1, 16, 300, 2, 1, 8, 700], [0, 2000, 4080, 16, 47, 1, 1023, 300]),  # mixed hits
 ])
-def test_batches(backend, q_lens, ctx_lens):
-    check_backend(backend, q_lens, ctx_lens)
+def test_batches(backend, q_lens, ctx_lens, block_m):
+    check_backend(backend, q_lens, ctx_lens, block_m=block_m)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("group", [3, 6])
+def test_group_not_dividing_tile(backend, group, block_m):
+    # 64 // 6 = 10 tokens per tile: the last 4 rows of every tile are padding
+    check_backend(backend, [45, 1, 7], [20, 99, 300], num_heads=2 * group, num_kv_heads=2,
+                  head_dim=64, block_m=block_m)
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
@@ -117,10 +137,10 @@ def test_batches(backend, q_lens, ctx_lens):
 @pytest.mark.parametrize("head_dim", [64, 128])
 @pytest.mark.parametrize("group", [1, 4, 8])
 @pytest.mark.parametrize("block_size", [8, 16, 32])
-def test_variants(backend, dtype, head_dim, group, block_size):
+def test_variants(backend, dtype, head_dim, group, block_size, block_m):
     check_backend(backend, [5, 1, 70, 1], [block_size - 1, block_size, block_size + 1, 300],
                   num_heads=2 * group, num_kv_heads=2, head_dim=head_dim,
-                  block_size=block_size, dtype=dtype, seed=group + block_size)
+                  block_size=block_size, dtype=dtype, seed=group + block_size, block_m=block_m)
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
@@ -171,7 +191,7 @@ def test_contract_violations_raise(backend):
 
 def emulate_plan(q, meta, ks, vs, scale, group, plan, block_m):
     """The kernel's algorithm in numpy over a plan's work list: per-item partials, then merge."""
-    num_heads, head_dim = q.shape[1], q.shape[2]
+    head_dim = q.shape[2]
     qn = np.array(q.astype(mx.float32))
     slots = max(plan.num_slots, 1)
     o_part = np.zeros((slots, block_m, head_dim), np.float32)
@@ -186,14 +206,14 @@ def emulate_plan(q, meta, ks, vs, scale, group, plan, block_m):
         s[np.arange(start, end)[None, :] > (pos0 + rows // group)[:, None]] = -np.inf
         top = s.max(axis=1, keepdims=True)
         p = np.exp(s - np.where(np.isinf(top), 0, top))
-        l = p.sum(axis=1, keepdims=True)
-        o = np.where(l > 0, p @ v / np.maximum(l, 1e-30), 0)
+        total = p.sum(axis=1, keepdims=True)
+        o = np.where(total > 0, p @ v / np.maximum(total, 1e-30), 0)
         if slot < 0:
             out[tok, head] = o
         else:
             o_part[slot, rows] = o
-            lse_part[slot, rows] = np.where(l[:, 0] > 0, (top[:, 0] + np.log(l[:, 0])) / np.log(2),
-                                            -np.inf)
+            lse_part[slot, rows] = np.where(total[:, 0] > 0,
+                                            (top[:, 0] + np.log(total[:, 0])) / np.log(2), -np.inf)
     if plan.merge is None:
         return mx.array(out)
     return schedule.merge_partials(mx.array(o_part), mx.array(lse_part), plan, q.shape,
@@ -204,16 +224,32 @@ def emulate_plan(q, meta, ks, vs, scale, group, plan, block_m):
     ([16], [300], 4, 132),                 # short suffix, long prefix: split
     ([1, 1, 1], [90, 0, 400], 8, 132),     # decode rows: split, one with no context
     ([5, 1, 37], [13, 60, 0], 1, 132),     # mixed; splits where kv is long enough
+    ([9, 1], [40, 3], 3, 132),             # 16 // 3 = 5 tokens a tile: one padding row
     ([200, 3], [64, 7], 4, 1),             # enough tiles for 1 SM: no split
 ])
 def test_schedule_emulated(q_lens, ctx_lens, group, num_sms):
     """The shared planner covers every row once and every visible key once (CPU-only)."""
     block_m, block_n = 16, 16
-    q, _, _, meta, ks, vs = make_case(q_lens, ctx_lens, 2 * group, 2, 8, 8, mx.float32)
-    plan = schedule.build_tile_plan(meta, group, 2, block_m, block_n, num_sms=num_sms)
-    assert (plan.num_slots > 0) == (num_sms > 1)
-    work = plan.work_host
-    assert (work[:, schedule.KV_START] % block_n == 0).all()
-    assert (work[:, schedule.KV_START] < work[:, schedule.KV_END]).all()
-    got = emulate_plan(q, meta, ks, vs, 0.3, group, plan, block_m)
-    assert rel_err(got, oracle(q, meta, ks, vs, 0.3)) < 1e-5
+    with mx.stream(mx.cpu):  # exact float32 (CUDA matmuls may use TF32)
+        q, _, _, meta, ks, vs = make_case(q_lens, ctx_lens, 2 * group, 2, 8, 8, mx.float32)
+        plan = schedule.build_tile_plan(meta, group, 2, block_m, block_n, num_sms=num_sms)
+        assert (plan.num_slots > 0) == (num_sms > 1)
+        work = plan.work_host
+        assert (work[:, schedule.KV_START] % block_n == 0).all()
+        assert (work[:, schedule.KV_START] < work[:, schedule.KV_END]).all()
+        got = emulate_plan(q, meta, ks, vs, 0.3, group, plan, block_m)
+        assert rel_err(got, oracle(q, meta, ks, vs, 0.3)) < 1e-5
+
+
+@pytest.mark.parametrize("q_lens,ctx_lens,reference_wins", [
+    ([4096], [0], True), ([1024], [4096], True), ([2048, 4096], [16384, 0], True),
+    ([512], [16384], True), ([512], [4096], False), ([2048], [0], False),
+    ([64], [65536], False), ([1024, 1], [8192, 50], False),
+])
+def test_cuda_measured_rule(q_lens, ctx_lens, reference_wins):
+    """The CUDA backend's measured dispatch rule (host-only: runs anywhere)."""
+    from jit_kernels import cuda_paged_attention
+
+    q, k_cache, _, meta, _, _ = make_case(q_lens, ctx_lens, 1, 1, 8, 16, mx.float16)
+    reason = cuda_paged_attention.reference_is_faster(q, k_cache, meta)
+    assert (reason is not None) == reference_wins
