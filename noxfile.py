@@ -2,6 +2,7 @@
 that backend exists (the H200 runs have no network: see docs/gpu.md)."""
 
 import sys
+from pathlib import Path
 
 import nox
 
@@ -38,6 +39,7 @@ def demo(session):
 def bench(session):
     """pytest-benchmark comparisons side by side in one run; the reference only on CPU."""
     install(session, "test", "bench")
+    Path("results").mkdir(exist_ok=True)
     session.run("pytest", "bench", "--benchmark-only", "--benchmark-columns=min,median,mean,rounds",
                 "--benchmark-json=results/bench.json", *session.posargs)
 

@@ -19,16 +19,20 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
+import sys
 import time
 from dataclasses import dataclass
+from pathlib import Path
 
 import mlx.core as mx
 import numpy as np
 
-import reference
-from jit_kernels import available_backends
-from paged_prefix.dispatch import Dispatcher
-from paged_prefix.metadata import AttentionMetadata, build_attention_metadata
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import reference  # noqa: E402
+from jit_kernels import available_backends  # noqa: E402
+from paged_prefix.dispatch import Dispatcher  # noqa: E402
+from paged_prefix.metadata import AttentionMetadata, build_attention_metadata  # noqa: E402
 
 HEADS, KV_HEADS, HEAD_DIM, BLOCK_SIZE, DTYPE = 32, 8, 128, 16, mx.bfloat16
 MIXED = ([512, 1, 64, 1, 16, 2048, 1, 128], [4096, 8000, 0, 300, 16384, 1024, 2000, 12000])

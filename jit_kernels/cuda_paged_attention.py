@@ -20,7 +20,6 @@ from dataclasses import dataclass
 import mlx.core as mx
 import numpy as np
 
-from paged_prefix.contract import check_attention_inputs
 from paged_prefix.metadata import AttentionMetadata
 
 from . import schedule, support
@@ -372,8 +371,6 @@ def _launch_plan(meta: AttentionMetadata, num_heads: int, num_kv_heads: int,
 def unsupported_reason(q: mx.array, k_cache: mx.array, meta: AttentionMetadata) -> str | None:
     if not mx.cuda.is_available():
         return "no CUDA device"
-    if q.ndim != 3 or k_cache.ndim != 4:
-        return f"shapes q {q.shape} / k_cache {k_cache.shape} are not [T,H,D] / [N,B,Hkv,D]"
     return support.unsupported_reason(q, k_cache, HEAD_DIMS)
 
 
@@ -413,10 +410,7 @@ def paged_attention(
     q: mx.array, k_cache: mx.array, v_cache: mx.array, meta: AttentionMetadata, scale: float
 ) -> mx.array:
     """The contract of `paged_prefix.contract` in one kernel launch (two when KV is split)."""
-    check_attention_inputs(q, k_cache, v_cache, meta)
-    why_not = unsupported_reason(q, k_cache, meta)
-    if why_not:
-        raise ValueError(f"cuda paged attention cannot run this call: {why_not}")
+    support.validate_call("cuda", q, k_cache, v_cache, meta, unsupported_reason(q, k_cache, meta))
     _, num_heads, head_dim = q.shape
     num_kv_heads = k_cache.shape[2]
     group = num_heads // num_kv_heads

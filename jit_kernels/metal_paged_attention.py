@@ -19,7 +19,6 @@ import math
 
 import mlx.core as mx
 
-from paged_prefix.contract import check_attention_inputs
 from paged_prefix.metadata import AttentionMetadata
 
 from . import schedule, support
@@ -290,8 +289,6 @@ def _tile_plan(meta: AttentionMetadata, group: int, num_kv_heads: int, head_dim:
 def unsupported_reason(q: mx.array, k_cache: mx.array, meta: AttentionMetadata) -> str | None:
     if not mx.metal.is_available():
         return "no Metal device"
-    if q.ndim != 3 or k_cache.ndim != 4:
-        return f"shapes q {q.shape} / k_cache {k_cache.shape} are not [T,H,D] / [N,B,Hkv,D]"
     return support.unsupported_reason(q, k_cache, HEAD_DIMS)
 
 
@@ -305,10 +302,7 @@ def paged_attention(
     q: mx.array, k_cache: mx.array, v_cache: mx.array, meta: AttentionMetadata, scale: float
 ) -> mx.array:
     """The contract of `paged_prefix.contract` in one kernel launch (two when KV is split)."""
-    check_attention_inputs(q, k_cache, v_cache, meta)
-    why_not = unsupported_reason(q, k_cache, meta)
-    if why_not:
-        raise ValueError(f"metal paged attention cannot run this call: {why_not}")
+    support.validate_call("metal", q, k_cache, v_cache, meta, unsupported_reason(q, k_cache, meta))
     _, num_heads, head_dim = q.shape
     _, block_size, num_kv_heads, _ = k_cache.shape
     group = num_heads // num_kv_heads

@@ -9,16 +9,18 @@ from __future__ import annotations
 
 import mlx.core as mx
 
+from paged_prefix.contract import check_attention_inputs
+from paged_prefix.metadata import AttentionMetadata
+
 DTYPES = (mx.float16, mx.bfloat16)
 BLOCK_SIZES = (8, 16, 32)
 MAX_GROUP = 8
 
 
 def unsupported_reason(q: mx.array, k_cache: mx.array, head_dims: tuple[int, ...]) -> str | None:
-    """Why a kernel with these head dims cannot run this call, or None when it can.
-
-    Call after `check_attention_inputs` (shapes are assumed consistent).
-    """
+    """Why a kernel with these head dims cannot run this call, or None when it can."""
+    if q.ndim != 3 or k_cache.ndim != 4:
+        return f"shapes q {q.shape} / k_cache {k_cache.shape} are not [T,H,D] / [N,B,Hkv,D]"
     if q.dtype not in DTYPES:
         return f"dtype {q.dtype} (kernels take float16/bfloat16)"
     _, block_size, num_kv_heads, head_dim = k_cache.shape
@@ -30,3 +32,13 @@ def unsupported_reason(q: mx.array, k_cache: mx.array, head_dims: tuple[int, ...
     if block_size not in BLOCK_SIZES:
         return f"block size {block_size} (kernel tested for {BLOCK_SIZES})"
     return None
+
+
+def validate_call(
+    backend: str, q: mx.array, k_cache: mx.array, v_cache: mx.array, meta: AttentionMetadata,
+    why_not: str | None,
+) -> None:
+    """A kernel wrapper's entry check: the contract, then the backend's own support."""
+    check_attention_inputs(q, k_cache, v_cache, meta)
+    if why_not:
+        raise ValueError(f"{backend} paged attention cannot run this call: {why_not}")

@@ -82,9 +82,18 @@ class Dispatcher:
         self, q: mx.array, k_cache: mx.array, v_cache: mx.array, meta: AttentionMetadata,
         scale: float,
     ) -> mx.array:
-        choice = self.choose(q, k_cache, meta)
+        # Every layer of a forward asks with the same geometry: decide (and log) once per
+        # forward, so the per-layer cost is a dict lookup.
+        geometry = (self.path, str(q.dtype), tuple(q.shape[1:]), tuple(k_cache.shape))
+        choice, fn = meta.plan(("dispatch", geometry), lambda m: self._decide(q, k_cache, m))
         self.counts[choice.path] += 1
         self.last = choice
+        return fn(q, k_cache, v_cache, meta, scale)
+
+    def _decide(
+        self, q: mx.array, k_cache: mx.array, meta: AttentionMetadata
+    ) -> tuple[Choice, AttentionFn]:
+        choice = self.choose(q, k_cache, meta)
         key = (choice, _case_key(q, k_cache, meta))
         if key not in self._logged:
             self._logged.add(key)
@@ -92,7 +101,7 @@ class Dispatcher:
                      "block=%d %s", choice.path, choice.reason, *key[1])
         fn: AttentionFn = (reference.paged_attention if choice.path == "reference"
                            else available_backends()[choice.path].paged_attention)
-        return fn(q, k_cache, v_cache, meta, scale)
+        return choice, fn
 
 
 def _auto_choice(

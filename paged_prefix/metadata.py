@@ -14,7 +14,7 @@ its new token i sits at absolute position `context_lens[s] + i` and may attend t
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -75,7 +75,7 @@ class AttentionMetadata:
     def max_seq_len(self) -> int:
         return int(self.seq_lens_host.max())
 
-    def plan(self, key: str, build: Callable[[AttentionMetadata], Any]) -> Any:
+    def plan(self, key: Hashable, build: Callable[[AttentionMetadata], Any]) -> Any:
         """Return `build(self)`, computed on the first call for `key` in this forward."""
         if key not in self._plans:
             self._plans[key] = build(self)
