@@ -286,6 +286,12 @@ def _tile_plan(meta: AttentionMetadata, group: int, num_kv_heads: int, head_dim:
     )
 
 
+def _scale_log2(meta: AttentionMetadata, scale: float) -> mx.array:
+    # One small device array per forward, not one per layer call.
+    return meta.plan(f"metal_paged:scale{scale!r}",
+                     lambda m: mx.array([scale * LOG2E], dtype=mx.float32))
+
+
 def unsupported_reason(q: mx.array, k_cache: mx.array, meta: AttentionMetadata) -> str | None:
     if not mx.metal.is_available():
         return "no Metal device"
@@ -309,8 +315,7 @@ def paged_attention(
     plan = _tile_plan(meta, group, num_kv_heads, head_dim)
     slots = max(plan.num_slots, 1)  # outputs cannot be empty; unused when nothing is split
     out, o_part, lse_part = _attention_kernel(q.dtype, head_dim, group, block_size)(
-        inputs=[q, k_cache, v_cache, meta.block_tables, plan.work,
-                mx.array([scale * LOG2E], dtype=mx.float32)],
+        inputs=[q, k_cache, v_cache, meta.block_tables, plan.work, _scale_log2(meta, scale)],
         template=[("T", q.dtype), ("HEAD_DIM", head_dim), ("GROUP", group),
                   ("BS", block_size), ("BN", BLOCK_N[head_dim])],
         grid=(plan.num_items * NUM_THREADS, 1, 1),

@@ -27,6 +27,11 @@ BUILTIN_CONFIGS: dict[str, dict] = {
     "qwen3-tiny": dict(model_type="qwen3", hidden_size=256, num_hidden_layers=4,
                        intermediate_size=512, num_attention_heads=8, num_key_value_heads=2,
                        head_dim=64, vocab_size=2048, **_COMMON),
+    # GPU-sized (about 1.2B parameters): prefill timings on the H200, where a tiny model
+    # would measure only launch overhead.
+    "llama-1b": dict(model_type="llama", hidden_size=2048, num_hidden_layers=16,
+                     intermediate_size=8192, num_attention_heads=32, num_key_value_heads=8,
+                     head_dim=64, vocab_size=32000, **_COMMON),
     # Test-sized: fast enough for many forwards in unit tests.
     "llama-test": dict(model_type="llama", hidden_size=128, num_hidden_layers=2,
                        intermediate_size=256, num_attention_heads=4, num_key_value_heads=2,

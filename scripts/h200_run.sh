@@ -9,3 +9,6 @@ python3 -m pytest -q -p no:cacheprovider -m gpu -k "not metal" \
     tests/test_kernels.py tests/test_runner.py 2>&1 | tee "$OUT/pytest_gpu.txt"
 python3 -m pytest -q -p no:cacheprovider tests/test_dispatch.py 2>&1 | tail -2 | tee -a "$OUT/pytest_gpu.txt"
 python3 bench/attention_sweep.py --out "$OUT/sweep.json" 2>&1 | tee "$OUT/sweep.txt"
+python3 -m pytest -q -p no:cacheprovider bench/test_bench_prefill.py --benchmark-only \
+    --benchmark-columns=min,median,mean,rounds --benchmark-json="$OUT/prefill.json" 2>&1 \
+    | tee "$OUT/prefill.txt"
