@@ -8,6 +8,7 @@ folder holding only config.json.
 
 from __future__ import annotations
 
+import logging
 import os
 import tempfile
 import time
@@ -33,6 +34,9 @@ from vllm.v1.structured_output import StructuredOutputManager  # noqa: E402
 from .dispatch import Dispatcher  # noqa: E402
 from .models import build_model, hf_config, resolve_config  # noqa: E402
 from .vllm_runner import TORCH_TO_MLX, VllmModelRunner  # noqa: E402
+
+# vLLM's CPU-platform notices (Triton, CPU block sizes) concern its own model runner.
+logging.getLogger("vllm").setLevel(logging.ERROR)
 
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
