@@ -14,7 +14,6 @@ for the GPU the key range is split and a second kernel merges the partials by lo
 from __future__ import annotations
 
 import functools
-import hashlib
 from dataclasses import dataclass
 
 import mlx.core as mx
@@ -301,7 +300,7 @@ MERGE_SOURCE = r"""
   for (int c = 0; c < PER_LANE; ++c) dst[lane * PER_LANE + c] = static_cast<T>(acc[c] * inv);
 """
 
-_SOURCE_HASH = hashlib.sha1((HEADER + ATTENTION_SOURCE + MERGE_SOURCE).encode()).hexdigest()[:10]
+_SOURCE_HASH = support.source_hash(HEADER, ATTENTION_SOURCE, MERGE_SOURCE)
 MERGE_THREADS = 128
 # Prefill-heavy forwards take 128-row tiles (each K/V tile feeds 8 warps: half the L2 traffic
 # per FLOP of 64-row tiles) when they still give at least this many threadblocks; decode
@@ -310,7 +309,7 @@ MIN_TILES_FOR_BLOCK_M_128 = 118  # ~0.9 x NUM_SMS: 128-row blocks run one per SM
 
 
 def _variant(dtype: mx.Dtype, head_dim: int, group: int, block_m: int, stages: int) -> str:
-    return f"{str(dtype).split('.')[-1]}_d{head_dim}_g{group}_m{block_m}_s{stages}"
+    return f"{support.dtype_name(dtype)}_d{head_dim}_g{group}_m{block_m}_s{stages}"
 
 
 @functools.cache

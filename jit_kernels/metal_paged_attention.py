@@ -14,7 +14,6 @@ steel's lane layout) and comparing with `reference.dense_attention`.
 from __future__ import annotations
 
 import functools
-import hashlib
 import math
 
 import mlx.core as mx
@@ -247,11 +246,11 @@ MERGE_SOURCE = r"""
   }
 """
 
-_SOURCE_HASH = hashlib.sha1((HEADER + ATTENTION_SOURCE + MERGE_SOURCE).encode()).hexdigest()[:10]
+_SOURCE_HASH = support.source_hash(HEADER, ATTENTION_SOURCE, MERGE_SOURCE)
 
 
 def _variant(dtype: mx.Dtype, head_dim: int, group: int) -> str:
-    return f"{str(dtype).split('.')[-1]}_d{head_dim}_g{group}"
+    return f"{support.dtype_name(dtype)}_d{head_dim}_g{group}"
 
 
 @functools.cache

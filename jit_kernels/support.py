@@ -7,6 +7,8 @@ kernels are tested at block sizes 8, 16 and 32 (any other size goes to the refer
 
 from __future__ import annotations
 
+import hashlib
+
 import mlx.core as mx
 
 from paged_prefix.contract import check_attention_inputs
@@ -42,3 +44,13 @@ def validate_call(
     check_attention_inputs(q, k_cache, v_cache, meta)
     if why_not:
         raise ValueError(f"{backend} paged attention cannot run this call: {why_not}")
+
+
+def source_hash(*sources: str) -> str:
+    """Short hash of kernel sources, for kernel names: MLX caches compiled kernels by name
+    (on disk too) and would silently reuse a stale one after a source change."""
+    return hashlib.sha1("".join(sources).encode()).hexdigest()[:10]
+
+
+def dtype_name(dtype: mx.Dtype) -> str:
+    return str(dtype).split(".")[-1]

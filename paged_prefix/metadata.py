@@ -71,10 +71,6 @@ class AttentionMetadata:
     def max_q_len(self) -> int:
         return int(self.q_lens_host.max())
 
-    @property
-    def max_seq_len(self) -> int:
-        return int(self.seq_lens_host.max())
-
     def plan(self, key: Hashable, build: Callable[[AttentionMetadata], Any]) -> Any:
         """Return `build(self)`, computed on the first call for `key` in this forward."""
         if key not in self._plans:
