@@ -1,10 +1,9 @@
-"""JIT paged-prefill attention kernels: inline CUDA and Metal sources built through MLX.
+"""JIT paged-attention kernels: inline CUDA and Metal sources built through MLX.
 
-Each backend module implements the contract of `paged_prefix.contract` and exposes:
-  paged_attention(q, k_cache, v_cache, meta, scale) -> out
-  unsupported_reason(q, k_cache, meta) -> str | None     shape/dtype support
-  reference_is_faster(q, k_cache, meta) -> str | None    the measured rule
-Only backends whose device exists on this machine are listed.
+A one-way library: plain arrays in, arrays out; nothing here imports `paged_prefix`. Each
+backend pairs a paged-attention kernel (plan once per forward, call once per layer) with a
+page-gather kernel feeding `contiguous_sdpa`, and the measured rule for choosing between them.
+Only backends whose device exists on this machine are listed by `available_backends()`.
 """
 
 from __future__ import annotations
@@ -14,30 +13,48 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 import mlx.core as mx
+import numpy as np
+
+from . import rules
+from .cuda_paged_attention import CudaPagedAttention
+from .metal_paged_attention import MetalPagedAttention
+from .page_gather import PageGather
+from .support import Geometry
+
+SdpaRule = Callable[[np.ndarray, np.ndarray, Geometry], "str | None"]
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, eq=False)
 class KernelBackend:
+    """One device's kernels. `prefers_sdpa(cu_seqlens_q, seq_lens, geometry)` returns why
+    gather + SDPA beats the paged kernel for a batch (a measured rule), or None."""
+
     name: str
-    paged_attention: Callable
-    unsupported_reason: Callable
-    reference_is_faster: Callable
+    attention: CudaPagedAttention | MetalPagedAttention
+    gather: PageGather
+    prefers_sdpa: SdpaRule
 
 
-def _backend(name: str, module) -> KernelBackend:
-    return KernelBackend(name, module.paged_attention, module.unsupported_reason,
-                         module.reference_is_faster)
+def cuda_backend(cuda_kernel=None) -> KernelBackend:
+    factory = cuda_kernel or mx.fast.cuda_kernel
+    return KernelBackend("cuda", CudaPagedAttention(factory), PageGather("cuda", factory),
+                         rules.cuda_prefers_sdpa)
+
+
+def metal_backend(metal_kernel=None) -> KernelBackend:
+    factory = metal_kernel or mx.fast.metal_kernel
+    return KernelBackend("metal", MetalPagedAttention(factory), PageGather("metal", factory),
+                         rules.metal_prefers_sdpa)
 
 
 @functools.cache
 def available_backends() -> dict[str, KernelBackend]:
     backends = {}
     if mx.cuda.is_available():
-        from . import cuda_paged_attention
-
-        backends["cuda"] = _backend("cuda", cuda_paged_attention)
+        backends["cuda"] = cuda_backend()
     if mx.metal.is_available():
-        from . import metal_paged_attention
-
-        backends["metal"] = _backend("metal", metal_paged_attention)
+        backends["metal"] = metal_backend()
     return backends
+
+
+__all__ = ["Geometry", "KernelBackend", "available_backends", "cuda_backend", "metal_backend"]

@@ -1,26 +1,28 @@
 """Metal paged-prefill attention through `mx.fast.metal_kernel` (simdgroup 8x8 MMA, Apple GPUs).
 
-Contract: `paged_prefix.contract`. The Metal twin of `cuda_paged_attention.py`: the same work
-list and split-KV plan (`schedule.py`), the same per-item algorithm, Apple-native tiles. One
-launch serves prefill and decode rows of every sequence; K/V are read from the paged cache
-through the block table (no gather copy); split tiles are combined by a second, merge launch.
+Contract: `reference.contract`. The Metal twin of `cuda_paged_attention.py`: the same work list
+and split-KV plan (`plan.py`), the same per-item algorithm, Apple-native tiles. One launch serves
+prefill and decode rows of every sequence; K/V are read from the paged cache through the block
+table (no gather copy). Split tiles are combined by a second, merge launch: merging inside the
+attention launch (as the CUDA kernel does) needs a device-scope release/acquire between
+threadgroups, which MSL offers only from Metal 3.2 on, and nothing here could check it on Apple
+hardware.
 
-Nothing here has been run or timed on Apple hardware (it was written on a machine with no
-Metal back-end). The kernel sources were checked by compiling them as C++ against a CPU mock of
-the MSL subset they use (a thread per GPU thread, barriers, 8x8 simdgroup MMA and shuffles on
-steel's lane layout) and comparing with `reference.dense_attention`.
+Nothing here has been run or timed on Apple hardware. The exact sources MLX would compile are
+executed on the CPU by the tests (`tests/metal_emu`), against the dense oracle.
 """
 
 from __future__ import annotations
 
-import functools
 import math
+from dataclasses import dataclass
 
 import mlx.core as mx
+import numpy as np
 
-from paged_prefix.metadata import AttentionMetadata
-
-from . import schedule, support
+from . import plan as tile_plan
+from . import support
+from .support import Geometry
 
 # Query-tile rows (the plan's block_m): 4 simdgroups x one 8-row fragment band each; a tile
 # holds BLOCK_Q // group tokens, so rows past ntok * group (2 of 32 for group 3) are padding.
@@ -32,7 +34,7 @@ HEAD_DIMS = (64, 96, 128, 256)
 # + page offsets) stay under the 32 KB limit: D=64 9,728; D=96 13,824; D=128 17,920; D=256 17,152.
 BLOCK_N = {64: 32, 96: 32, 128: 32, 256: 16}
 # Split KV when a forward has fewer than GPU_CORES query tiles, into about 2 x GPU_CORES items
-# (schedule.build_tile_plan). Unmeasured: Apple GPUs have 8 (M1) to 80 (M3 Ultra) cores and
+# (plan.build_tile_plan). Unmeasured: Apple GPUs have 8 (M1) to 80 (M3 Ultra) cores and
 # MLX does not report the count.
 GPU_CORES = 16
 LOG2E = math.log2(math.e)
@@ -42,15 +44,13 @@ HEADER = f"""
 #include <metal_simdgroup>
 #include <metal_simdgroup_matrix>
 #define PP_UNROLL _Pragma("clang loop unroll(full)")
-// Tile constants (see metal_paged_attention.py) and the work/merge list columns (schedule.py).
+// Tile constants and work/merge-list columns, injected from metal_paged_attention.py / plan.py.
 constant constexpr int BLOCK_Q = {BLOCK_Q};
 constant constexpr int NUM_THREADS = {NUM_THREADS};
-constant constexpr int WORK_COLS = {schedule.WORK_COLS};
-constant constexpr int MERGE_COLS = {schedule.MERGE_COLS};
-constant constexpr int W_SEQ = {schedule.SEQ}, W_TOK0 = {schedule.TOK0}, W_NTOK = {schedule.NTOK};
-constant constexpr int W_POS0 = {schedule.POS0}, W_KV_HEAD = {schedule.KV_HEAD};
-constant constexpr int W_KV_START = {schedule.KV_START}, W_KV_END = {schedule.KV_END};
-constant constexpr int W_SLOT = {schedule.SLOT};
+constant constexpr int WORK_COLS = {tile_plan.WORK_COLS};
+constant constexpr int MERGE_COLS = {tile_plan.MERGE_COLS};
+{tile_plan.column_constants("W_", tile_plan.WORK_COLUMNS, "constant constexpr int")}
+{tile_plan.column_constants("M_", tile_plan.MERGE_COLUMNS, "constant constexpr int")}
 constant constexpr float NEG_INF = -metal::numeric_limits<float>::infinity();
 """ + r"""
 // Element offset of key `key`'s row for one kv head in a [num_blocks, BS, Hkv, D] cache, in
@@ -63,22 +63,6 @@ inline long pp_row_offset(Table table, int key, int kv_end, long row_stride, lon
 }
 """
 
-# Inputs:  q [T, H, D] T; k_cache, v_cache [num_blocks, BS, Hkv, D] T (row-contiguous);
-#          block_tables [S, max_blocks] int32; work [num_items, WORK_COLS] int32 (schedule.py);
-#          qk_scale float32 [1] = scale * log2(e), folded into Q so the softmax runs on exp2.
-# Outputs: out [T, H, D] T (items with SLOT < 0);
-#          o_part [slots, BLOCK_Q, D] float32, lse_part [slots, BLOCK_Q] float32 (SLOT >= 0): per-split
-#          output normalised by its own row sum, and its log2-sum-exp (-inf: the split saw no key).
-# Template: T, HEAD_DIM, GROUP, BS (block size), BN (keys per K/V tile).
-# Grid: one threadgroup of NUM_THREADS per work item. Tile row r (simdgroup r / 8) is token
-# r / GROUP, query head KV_HEAD * GROUP + r % GROUP, so each K/V tile serves the whole group.
-# Threadgroup memory: k_s, v_s [BN][HEAD_DIM + PAD] (row-major: the loader's stores are
-# contiguous, where a transposed K tile would stride them by a row), row_off [2][BN] int64
-# (page offsets, double-buffered).
-# Fragments: Q, O and S are simdgroup_float8x8 in registers; a lane holds row fm, columns
-# fn, fn + 1 of each (MLX steel's layout). K/V are converted to float on their way from
-# threadgroup memory into fragments (simdgroup_load needs matching element types), so every
-# MMA and the online softmax run in fp32.
 ATTENTION_SOURCE = r"""
   constexpr int D = HEAD_DIM, TD = D / 8, TK = BN / 8;
   constexpr int PAD = 16 / sizeof(T);
@@ -221,15 +205,24 @@ ATTENTION_SOURCE = r"""
   }
 """
 
-# Inputs:  o_part, lse_part (above); merge [num_tiles, MERGE_COLS] int32 (schedule.py).
+# Inputs:  o_part, lse_part (above); merge [num_tiles, MERGE_COLS] int32 (plan.py);
+#          attn_out [T, H, D] T: the attention launch's `out`, final for unsplit tiles.
 # Output:  out [T, H, D] T. Template: T, HEAD_DIM, GROUP, NUM_HEADS.
 # Grid: one threadgroup of NUM_THREADS per tile; a simdgroup per row, columns lane + 32 j.
+# An unsplit tile (FIRST_SLOT -1) only copies its rows over: outputs start uninitialised.
 MERGE_SOURCE = r"""
   constexpr int D = HEAD_DIM, PER_LANE = D / 32;
   const uint sg = simdgroup_index_in_threadgroup, lane = thread_index_in_simdgroup;
   auto item = merge + threadgroup_position_in_grid.x * MERGE_COLS;  // constant if < 8 ints
-  const int tok0 = item[0], ntok = item[1], kvh = item[2], first = item[3], nsplit = item[4];
+  const int tok0 = item[M_TOK0], ntok = item[M_NTOK], kvh = item[M_KV_HEAD];
+  const int first = item[M_FIRST_SLOT], nsplit = item[M_NUM_SPLITS];
   for (int row = sg; row < ntok * GROUP; row += NUM_THREADS / 32) {
+    const long dst_off = (long(tok0 + row / GROUP) * NUM_HEADS + kvh * GROUP + row % GROUP) * D;
+    device T* dst = out + dst_off;
+    if (first < 0) {
+      PP_UNROLL for (int j = 0; j < PER_LANE; ++j) dst[lane + 32 * j] = attn_out[dst_off + lane + 32 * j];
+      continue;
+    }
     float top = NEG_INF;
     for (int s = 0; s < nsplit; ++s) top = max(top, lse_part[long(first + s) * BLOCK_Q + row]);
     const float base = top == NEG_INF ? 0.0f : top;
@@ -241,7 +234,6 @@ MERGE_SOURCE = r"""
       PP_UNROLL for (int j = 0; j < PER_LANE; ++j) acc[j] += w * o_part[part * D + lane + 32 * j];
     }
     const float inv = sum > 0.0f ? 1.0f / sum : 0.0f;
-    device T* dst = out + (long(tok0 + row / GROUP) * NUM_HEADS + kvh * GROUP + row % GROUP) * D;
     PP_UNROLL for (int j = 0; j < PER_LANE; ++j) dst[lane + 32 * j] = T(acc[j] * inv);
   }
 """
@@ -249,87 +241,85 @@ MERGE_SOURCE = r"""
 _SOURCE_HASH = support.source_hash(HEADER, ATTENTION_SOURCE, MERGE_SOURCE)
 
 
-def _variant(dtype: mx.Dtype, head_dim: int, group: int) -> str:
-    return f"{support.dtype_name(dtype)}_d{head_dim}_g{group}"
+@dataclass(frozen=True)
+class MetalAttentionPlan:
+    """One forward's launch plan: built once from host arrays, read by every layer."""
+
+    geometry: Geometry
+    cu_seqlens_q: np.ndarray
+    seq_lens: np.ndarray
+    tiles: tile_plan.TilePlan
+    qk_scale: mx.array  # float32 [1]: scale * log2(e), folded into Q
 
 
-@functools.cache
-def _attention_kernel(dtype: mx.Dtype, head_dim: int, group: int, block_size: int):
-    # ensure_row_contiguous (the default) copies a strided input: PagedKVCache.blocks() views
-    # are contiguous, so the caches are bound in place.
-    return mx.fast.metal_kernel(
-        name=f"metal_paged_prefill_{_SOURCE_HASH}_{_variant(dtype, head_dim, group)}_b{block_size}",
-        input_names=["q", "k_cache", "v_cache", "block_tables", "work", "qk_scale"],
-        output_names=["out", "o_part", "lse_part"],
-        source=ATTENTION_SOURCE,
-        header=HEADER,
-    )
+class MetalPagedAttention:
+    """plan() once per forward, then call once per layer; kernels are built once per variant.
 
+    `metal_kernel` is MLX's factory; tests pass the CPU emulation of it, or a broken one.
+    """
 
-@functools.cache
-def _merge_kernel(dtype: mx.Dtype, head_dim: int, group: int):
-    return mx.fast.metal_kernel(
-        name=f"metal_paged_merge_{_SOURCE_HASH}_{_variant(dtype, head_dim, group)}",
-        input_names=["o_part", "lse_part", "merge"],
-        output_names=["out"],
-        source=MERGE_SOURCE,
-        header=HEADER,
-    )
+    name = "metal"
 
+    def __init__(self, metal_kernel=None):
+        self._metal_kernel = metal_kernel or mx.fast.metal_kernel
+        self._kernels: dict[tuple, object] = {}
 
-def _tile_plan(meta: AttentionMetadata, group: int, num_kv_heads: int, head_dim: int):
-    bn = BLOCK_N[head_dim]
-    return meta.plan(
-        f"metal_paged:{BLOCK_Q}x{bn}:g{group}:hkv{num_kv_heads}",
-        lambda m: schedule.build_tile_plan(m, group, num_kv_heads, BLOCK_Q, bn, GPU_CORES),
-    )
+    def unsupported_reason(self, geometry: Geometry) -> str | None:
+        return support.unsupported_reason(geometry, HEAD_DIMS)
 
+    def plan(self, cu_seqlens_q: np.ndarray, seq_lens: np.ndarray,
+             geometry: Geometry) -> MetalAttentionPlan:
+        why_not = self.unsupported_reason(geometry)
+        if why_not:
+            raise ValueError(f"metal paged attention cannot run this geometry: {why_not}")
+        cu = np.asarray(cu_seqlens_q, dtype=np.int64)
+        tiles = tile_plan.build_tile_plan(cu, seq_lens, geometry.group, geometry.num_kv_heads,
+                                          BLOCK_Q, BLOCK_N[geometry.head_dim], GPU_CORES)
+        return MetalAttentionPlan(
+            geometry=geometry, cu_seqlens_q=cu, seq_lens=np.asarray(seq_lens, dtype=np.int64),
+            tiles=tiles, qk_scale=mx.array([geometry.scale * LOG2E], dtype=mx.float32))
 
-def _scale_log2(meta: AttentionMetadata, scale: float) -> mx.array:
-    # One small device array per forward, not one per layer call.
-    return meta.plan(f"metal_paged:scale{scale!r}",
-                     lambda m: mx.array([scale * LOG2E], dtype=mx.float32))
+    def _kernel(self, kind: str, g: Geometry):
+        key = (kind, g.dtype, g.head_dim, g.group, g.block_size)
+        if key not in self._kernels:
+            variant = f"{support.dtype_name(g.dtype)}_d{g.head_dim}_g{g.group}_b{g.block_size}"
+            inputs, outputs, source = {
+                "attention": (["q", "k_cache", "v_cache", "block_tables", "work", "qk_scale"],
+                              ["out", "o_part", "lse_part"], ATTENTION_SOURCE),
+                "merge": (["o_part", "lse_part", "merge", "attn_out"], ["out"], MERGE_SOURCE),
+            }[kind]
+            # ensure_row_contiguous (the default) copies a strided input: PagedKVCache.blocks()
+            # views are contiguous, so the caches are bound in place.
+            self._kernels[key] = self._metal_kernel(
+                name=f"metal_paged_{kind}_{_SOURCE_HASH}_{variant}", input_names=inputs,
+                output_names=outputs, source=source, header=HEADER)
+        return self._kernels[key]
 
-
-def unsupported_reason(q: mx.array, k_cache: mx.array, meta: AttentionMetadata) -> str | None:
-    if not mx.metal.is_available():
-        return "no Metal device"
-    return support.unsupported_reason(q, k_cache, HEAD_DIMS)
-
-
-def reference_is_faster(q: mx.array, k_cache: mx.array, meta: AttentionMetadata) -> str | None:
-    # Unmeasured on Apple hardware: no rule yet, so the kernel is taken whenever it supports
-    # the call. Replace with a measured rule (like the CUDA one) once timed on an M-series GPU.
-    return None
-
-
-def paged_attention(
-    q: mx.array, k_cache: mx.array, v_cache: mx.array, meta: AttentionMetadata, scale: float
-) -> mx.array:
-    """The contract of `paged_prefix.contract` in one kernel launch (two when KV is split)."""
-    support.validate_call("metal", q, k_cache, v_cache, meta, unsupported_reason(q, k_cache, meta))
-    _, num_heads, head_dim = q.shape
-    _, block_size, num_kv_heads, _ = k_cache.shape
-    group = num_heads // num_kv_heads
-    plan = _tile_plan(meta, group, num_kv_heads, head_dim)
-    slots = max(plan.num_slots, 1)  # outputs cannot be empty; unused when nothing is split
-    out, o_part, lse_part = _attention_kernel(q.dtype, head_dim, group, block_size)(
-        inputs=[q, k_cache, v_cache, meta.block_tables, plan.work, _scale_log2(meta, scale)],
-        template=[("T", q.dtype), ("HEAD_DIM", head_dim), ("GROUP", group),
-                  ("BS", block_size), ("BN", BLOCK_N[head_dim])],
-        grid=(plan.num_items * NUM_THREADS, 1, 1),
-        threadgroup=(NUM_THREADS, 1, 1),
-        output_shapes=[q.shape, (slots, BLOCK_Q, head_dim), (slots, BLOCK_Q)],
-        output_dtypes=[q.dtype, mx.float32, mx.float32],
-    )
-    if plan.merge is None:
-        return out
-    return _merge_kernel(q.dtype, head_dim, group)(
-        inputs=[o_part, lse_part, plan.merge],
-        template=[("T", q.dtype), ("HEAD_DIM", head_dim), ("GROUP", group),
-                  ("NUM_HEADS", num_heads)],
-        grid=(plan.merge.shape[0] * NUM_THREADS, 1, 1),
-        threadgroup=(NUM_THREADS, 1, 1),
-        output_shapes=[q.shape],
-        output_dtypes=[q.dtype],
-    )[0]
+    def __call__(self, q: mx.array, k_cache: mx.array, v_cache: mx.array,
+                 block_tables: mx.array, plan: MetalAttentionPlan) -> mx.array:
+        """The contract of `reference.contract` in one launch (two when KV is split)."""
+        g = plan.geometry
+        support.check_call("metal", g, q, k_cache, v_cache, block_tables, plan.cu_seqlens_q,
+                           plan.seq_lens)
+        tiles = plan.tiles
+        slots = max(tiles.num_slots, 1)  # outputs cannot be empty; unused when nothing is split
+        out, o_part, lse_part = self._kernel("attention", g)(
+            inputs=[q, k_cache, v_cache, block_tables, tiles.work, plan.qk_scale],
+            template=[("T", g.dtype), ("HEAD_DIM", g.head_dim), ("GROUP", g.group),
+                      ("BS", g.block_size), ("BN", BLOCK_N[g.head_dim])],
+            grid=(tiles.num_items * NUM_THREADS, 1, 1),
+            threadgroup=(NUM_THREADS, 1, 1),
+            output_shapes=[q.shape, (slots, BLOCK_Q, g.head_dim), (slots, BLOCK_Q)],
+            output_dtypes=[q.dtype, mx.float32, mx.float32],
+        )
+        if tiles.merge is None:
+            return out
+        return self._kernel("merge", g)(
+            inputs=[o_part, lse_part, tiles.merge, out],
+            template=[("T", g.dtype), ("HEAD_DIM", g.head_dim), ("GROUP", g.group),
+                      ("NUM_HEADS", g.num_heads)],
+            grid=(tiles.merge.shape[0] * NUM_THREADS, 1, 1),
+            threadgroup=(NUM_THREADS, 1, 1),
+            output_shapes=[q.shape],
+            output_dtypes=[q.dtype],
+        )[0]

@@ -1,49 +1,78 @@
-"""Support rules shared by the JIT paged-attention backends' `unsupported_reason`.
+"""What every JIT backend shares: the call geometry, support rules, entry checks, kernel names.
 
-Each backend passes the head dims its tiles are compiled for; the rest is common: the tensor
-cores take fp16/bf16 operands only, a query tile packs whole GQA groups (group <= 8), and the
-kernels are tested at block sizes 8, 16 and 32 (any other size goes to the reference).
+The tensor cores take fp16/bf16 operands only, a query tile packs whole GQA groups (group <= 8),
+and the kernels are tested at block sizes 8, 16 and 32 (any other size goes elsewhere).
 """
 
 from __future__ import annotations
 
 import hashlib
+from dataclasses import dataclass
 
 import mlx.core as mx
+import numpy as np
 
-from paged_prefix.contract import check_attention_inputs
-from paged_prefix.metadata import AttentionMetadata
+from reference import check_paged_inputs
 
 DTYPES = (mx.float16, mx.bfloat16)
 BLOCK_SIZES = (8, 16, 32)
 MAX_GROUP = 8
 
 
-def unsupported_reason(q: mx.array, k_cache: mx.array, head_dims: tuple[int, ...]) -> str | None:
-    """Why a kernel with these head dims cannot run this call, or None when it can."""
-    if q.ndim != 3 or k_cache.ndim != 4:
-        return f"shapes q {q.shape} / k_cache {k_cache.shape} are not [T,H,D] / [N,B,Hkv,D]"
-    if q.dtype not in DTYPES:
-        return f"dtype {q.dtype} (kernels take float16/bfloat16)"
-    _, block_size, num_kv_heads, head_dim = k_cache.shape
-    if head_dim not in head_dims:
-        return f"head_dim {head_dim} (kernel built for {head_dims})"
-    group = q.shape[1] // num_kv_heads
-    if not 1 <= group <= MAX_GROUP:
-        return f"GQA group {group} (kernel packs groups of 1..{MAX_GROUP})"
-    if block_size not in BLOCK_SIZES:
-        return f"block size {block_size} (kernel tested for {BLOCK_SIZES})"
+@dataclass(frozen=True)
+class Geometry:
+    """The shape of one forward's attention calls: what a plan is built for."""
+
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    block_size: int
+    dtype: mx.Dtype
+    scale: float
+
+    def __post_init__(self):
+        for name in ("num_heads", "num_kv_heads", "head_dim", "block_size"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+                raise ValueError(f"{name}: expected a positive int, got {value!r}")
+        if self.num_heads % self.num_kv_heads:
+            raise ValueError(f"num_heads: {self.num_heads} is not a multiple of "
+                             f"{self.num_kv_heads} kv heads")
+
+    @property
+    def group(self) -> int:
+        return self.num_heads // self.num_kv_heads
+
+    def variant(self) -> tuple:
+        """What selects a compiled kernel: (dtype, head_dim, group, block_size)."""
+        return (dtype_name(self.dtype), self.head_dim, self.group, self.block_size)
+
+
+def unsupported_reason(geometry: Geometry, head_dims: tuple[int, ...]) -> str | None:
+    """Why a kernel built for these head dims cannot run this geometry, or None when it can."""
+    if geometry.dtype not in DTYPES:
+        return f"dtype {geometry.dtype} (kernels take float16/bfloat16)"
+    if geometry.head_dim not in head_dims:
+        return f"head_dim {geometry.head_dim} (kernel built for {head_dims})"
+    if not 1 <= geometry.group <= MAX_GROUP:
+        return f"GQA group {geometry.group} (kernel packs groups of 1..{MAX_GROUP})"
+    if geometry.block_size not in BLOCK_SIZES:
+        return f"block size {geometry.block_size} (kernel tested for {BLOCK_SIZES})"
     return None
 
 
-def validate_call(
-    backend: str, q: mx.array, k_cache: mx.array, v_cache: mx.array, meta: AttentionMetadata,
-    why_not: str | None,
-) -> None:
-    """A kernel wrapper's entry check: the contract, then the backend's own support."""
-    check_attention_inputs(q, k_cache, v_cache, meta)
-    if why_not:
-        raise ValueError(f"{backend} paged attention cannot run this call: {why_not}")
+def check_call(backend: str, geometry: Geometry, q: mx.array, k_cache: mx.array,
+               v_cache: mx.array, block_tables: mx.array, cu_seqlens_q: np.ndarray,
+               seq_lens: np.ndarray) -> None:
+    """A kernel's entry check: the contract, then that the arrays match the plan's geometry."""
+    check_paged_inputs(q, k_cache, v_cache, block_tables, cu_seqlens_q, seq_lens)
+    _, block_size, num_kv_heads, head_dim = k_cache.shape
+    got = (q.shape[1], num_kv_heads, head_dim, block_size, q.dtype)
+    want = (geometry.num_heads, geometry.num_kv_heads, geometry.head_dim, geometry.block_size,
+            geometry.dtype)
+    if got != want:
+        raise ValueError(f"{backend}: q/k_cache (heads, kv heads, head_dim, block size, dtype) "
+                         f"{got} differ from the plan's {want}")
 
 
 def source_hash(*sources: str) -> str:

@@ -1,4 +1,4 @@
-"""Paged attention as a drop-in for mlx-lm's Llama/Qwen3 `Attention` modules.
+"""Paged attention as a drop-in for mlx-lm's Llama/Mistral/Qwen2/Qwen3 `Attention` modules.
 
 `PagedAttention` takes over the original module's projections, optional per-head norms
 (Qwen3's q_norm/k_norm) and RoPE under the same attribute names, so the parameter tree
@@ -6,19 +6,19 @@ and weight loading are unchanged. Per forward it receives a `ForwardContext` in 
 of mlx-lm's KV cache and:
   1. applies RoPE at each new token's absolute position (offset = num_computed_tokens);
   2. writes the new K/V into the paged cache by slot;
-  3. attends over cached prefix + new tokens through the dispatcher.
+  3. attends over cached prefix + new tokens through the forward's planned attention.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from dataclasses import dataclass
 
 import mlx.core as mx
 import mlx.nn as nn
 from mlx_lm.models.rope_utils import Llama3RoPE
 
-from .kv_cache import PagedKVCache
+from .dispatch import ForwardAttention
+from .kv_cache import PagedKVCache, Slots
 from .metadata import BatchMetadata
 
 # RoPE variants whose `offset` may be an array of per-row positions (they pass it
@@ -32,7 +32,8 @@ class ForwardContext:
 
     meta: BatchMetadata
     kv_cache: PagedKVCache
-    attention: Callable[..., mx.array]
+    slots: Slots
+    attention: ForwardAttention
 
     def make_mask(self, *args, **kwargs) -> None:
         # mlx-lm asks the cache for a mask; causality comes from the metadata instead.
@@ -66,12 +67,12 @@ class PagedAttention(nn.Module):
         v = self.v_proj(x).reshape(num_tokens, self.n_kv_heads, -1)
         if "q_norm" in self:
             q, k = self.q_norm(q), self.k_norm(k)
-        meta = cache.meta
-        q = self._rope(q, meta.positions)
-        k = self._rope(k, meta.positions)
-        cache.kv_cache.write(self.layer, k, v, meta.slot_mapping)
+        positions = cache.meta.positions
+        q = self._rope(q, positions)
+        k = self._rope(k, positions)
+        cache.kv_cache.write(self.layer, k, v, cache.slots)
         k_cache, v_cache = cache.kv_cache.blocks(self.layer)
-        out = cache.attention(q.astype(k_cache.dtype), k_cache, v_cache, meta.attn, self.scale)
+        out = cache.attention(q.astype(k_cache.dtype), k, v, k_cache, v_cache)
         return self.o_proj(out.astype(x.dtype).reshape(1, num_tokens, -1))
 
 

@@ -1,12 +1,22 @@
-"""Per-call choice between the gather reference and the JIT paged-attention kernels.
+"""Per-forward choice of the attention path, planned once and then run by every layer.
 
-`choose()` is the one function that decides; it returns the path and the reason, which
-are logged once per distinct case and counted, so tests can check which path really ran
-(engagement) and users can see when a slow path was taken.
+    attention = dispatcher.plan(meta.attn, geometry)   # once per forward: choose, check, plan
+    out = attention(q, k, v, k_cache, v_cache)         # every layer: launches only, no host sync
 
-Override with `Dispatcher(path=...)` or the environment variable PAGED_PREFIX_ATTENTION
-(`auto`, `reference`, `cuda`, `metal`). A forced kernel that cannot run the call raises
-ValueError instead of falling back silently.
+Paths:
+  reference  MLX gather + SDPA per sequence (`reference.paged_attention`), the oracle;
+  sdpa       SDPA per sequence over the new K/V when nothing is cached, else over pages copied
+             by the backend's page-gather kernel (MLX's take where there is none);
+  cuda/metal the backend's paged kernel: one launch for the whole batch.
+
+`choose()` is the one function that decides; it returns the path and the reason, logged once
+per distinct case and counted per layer call, so tests can check which path really ran and
+users can see when a slow path was taken. The first use of a kernel variant in a process runs
+the canary (`canary.py`); a variant that fails it is logged once and replaced by the reference
+from then on, unless PAGED_PREFIX_STRICT_KERNELS=1 (tests, benchmarks), which raises instead.
+
+Override with `Dispatcher(path=...)` or PAGED_PREFIX_ATTENTION (auto, reference, sdpa, cuda,
+metal). A forced kernel that cannot run the call raises ValueError: no silent fallback.
 """
 
 from __future__ import annotations
@@ -21,103 +31,134 @@ import mlx.core as mx
 
 import reference
 from jit_kernels import KernelBackend, available_backends
+from jit_kernels.contiguous_sdpa import plan_sdpa, sdpa_attention
+from jit_kernels.support import Geometry
 
+from . import canary
 from .metadata import AttentionMetadata
 
 ENV_VAR = "PAGED_PREFIX_ATTENTION"
-PATHS = ("auto", "reference", "cuda", "metal")
+STRICT_ENV_VAR = "PAGED_PREFIX_STRICT_KERNELS"
+PATHS = ("auto", "reference", "sdpa", "cuda", "metal")
 
 log = logging.getLogger(__name__)
 
-AttentionFn = Callable[[mx.array, mx.array, mx.array, AttentionMetadata, float], mx.array]
+# Canary verdicts for this process: (backend, component, variant) -> None (passed) or why not.
+_VERDICTS: dict[tuple, str | None] = {}
 
 
 @dataclass(frozen=True)
 class Choice:
     path: str
     reason: str
+    backend: str | None = None  # whose kernel runs: the paged kernel's, or the sdpa path's gather
 
 
-def _case_key(q: mx.array, k_cache: mx.array, meta: AttentionMetadata) -> tuple:
-    """What makes two calls 'the same case' for logging: dtype and geometry class."""
-    _, block_size, num_kv_heads, head_dim = k_cache.shape
-    return (
-        str(q.dtype),
-        head_dim,
-        q.shape[1] // num_kv_heads,
-        block_size,
-        "decode" if meta.max_q_len == 1 else "prefill",
-    )
+@dataclass(frozen=True, eq=False)
+class ForwardAttention:
+    """One forward's attention: the choice and its plan, called by every layer."""
+
+    choice: Choice
+    run: Callable[..., mx.array]
+    counts: Counter
+
+    def __call__(self, q: mx.array, k: mx.array, v: mx.array, k_cache: mx.array,
+                 v_cache: mx.array) -> mx.array:
+        """q [T, H, D] and the new rows k, v [T, Hkv, D] (already in the caches)."""
+        self.counts[self.choice.path] += 1
+        return self.run(q, k, v, k_cache, v_cache)
 
 
 class Dispatcher:
-    """Callable with the contract of `paged_prefix.contract`; picks the path per call."""
-
-    def __init__(self, path: str | None = None):
+    def __init__(self, path: str | None = None,
+                 backends: dict[str, KernelBackend] | None = None, strict: bool | None = None):
         path = path or os.environ.get(ENV_VAR, "auto")
-        if path not in PATHS:
+        self.backends = available_backends() if backends is None else backends
+        if path not in PATHS and path not in self.backends:
             raise ValueError(f"{ENV_VAR}/path: expected one of {PATHS}, got {path!r}")
         self.path = path
+        self.strict = os.environ.get(STRICT_ENV_VAR) == "1" if strict is None else strict
         self.counts: Counter[str] = Counter()
         self.last: Choice | None = None
         self._logged: set[tuple] = set()
 
-    def choose(self, q: mx.array, k_cache: mx.array, meta: AttentionMetadata) -> Choice:
-        backends = available_backends()
+    def choose(self, meta: AttentionMetadata, g: Geometry) -> Choice:
         if self.path == "reference":
             return Choice("reference", "forced")
+        if self.path == "sdpa":
+            return Choice("sdpa", "forced", self._gather_backend(g))
         if self.path != "auto":
-            backend = backends.get(self.path)
+            backend = self.backends.get(self.path)
             if backend is None:
                 raise ValueError(f"{ENV_VAR}/path: the {self.path} kernel needs the "
                                  f"{self.path} backend, which this machine lacks")
-            why_not = backend.unsupported_reason(q, k_cache, meta)
+            why_not = backend.attention.unsupported_reason(g)
             if why_not:
                 raise ValueError(f"{ENV_VAR}/path: the {self.path} kernel cannot run this "
                                  f"call: {why_not}")
-            return Choice(self.path, "forced")
-        return _auto_choice(backends, q, k_cache, meta)
+            return Choice(self.path, "forced", self.path)
+        if not self.backends:
+            return Choice("sdpa", "no GPU kernel backend: SDPA, cached prefixes gathered by MLX")
+        name, backend = next(iter(self.backends.items()))
+        why_not = backend.attention.unsupported_reason(g)
+        if why_not:
+            return Choice("sdpa", f"{name} kernel: {why_not}", self._gather_backend(g))
+        prefers = backend.prefers_sdpa(meta.cu_seqlens_q_host, meta.seq_lens_host, g)
+        if prefers:
+            return Choice("sdpa", prefers, self._gather_backend(g))
+        return Choice(name, "kernel supports the call and the measured rule picks it", name)
 
-    def __call__(
-        self, q: mx.array, k_cache: mx.array, v_cache: mx.array, meta: AttentionMetadata,
-        scale: float,
-    ) -> mx.array:
-        # Every layer of a forward asks with the same geometry: decide (and log) once per
-        # forward, so the per-layer cost is a dict lookup.
-        geometry = (self.path, str(q.dtype), tuple(q.shape[1:]), tuple(k_cache.shape))
-        choice, fn = meta.plan(("dispatch", geometry), lambda m: self._decide(q, k_cache, m))
-        self.counts[choice.path] += 1
-        self.last = choice
-        return fn(q, k_cache, v_cache, meta, scale)
+    def _gather_backend(self, g: Geometry) -> str | None:
+        for name, backend in self.backends.items():
+            if backend.gather.unsupported_reason(g.dtype, g.head_dim) is None:
+                return name
+        return None
 
-    def _decide(
-        self, q: mx.array, k_cache: mx.array, meta: AttentionMetadata
-    ) -> tuple[Choice, AttentionFn]:
-        choice = self.choose(q, k_cache, meta)
-        key = (choice, _case_key(q, k_cache, meta))
+    def plan(self, meta: AttentionMetadata, g: Geometry) -> ForwardAttention:
+        """Choose, validate (canary on first use) and plan one forward; nothing is written."""
+        if g.block_size != meta.block_size:
+            raise ValueError(f"geometry: block size {g.block_size} but the metadata was built "
+                             f"for {meta.block_size}")
+        choice = self._validated(self.choose(meta, g), g)
+        key = (choice, g.variant(), "decode" if meta.max_q_len == 1 else "prefill")
         if key not in self._logged:
             self._logged.add(key)
-            log.info("paged attention: %s (%s) for dtype=%s head_dim=%d group=%d "
-                     "block=%d %s", choice.path, choice.reason, *key[1])
-        fn: AttentionFn = (reference.paged_attention if choice.path == "reference"
-                           else available_backends()[choice.path].paged_attention)
-        return choice, fn
+            log.info("paged attention: %s (%s) for dtype=%s head_dim=%d group=%d block=%d %s",
+                     choice.path, choice.reason, *key[1], key[2])
+        self.last = choice
+        return ForwardAttention(choice, self._runner(choice, meta, g), self.counts)
 
+    def _validated(self, choice: Choice, g: Geometry) -> Choice:
+        if choice.backend is None:
+            return choice
+        backend = self.backends[choice.backend]
+        component = "attention" if choice.path == choice.backend else "gather"
+        key = (backend, component, g.variant())
+        if key not in _VERDICTS:
+            check = canary.check_attention if component == "attention" else canary.check_gather
+            _VERDICTS[key] = check(backend, g)
+            if _VERDICTS[key]:
+                log.warning("paged attention: %s %s kernel for dtype=%s head_dim=%d group=%d "
+                            "block=%d failed its first-use check (%s); using the reference",
+                            choice.backend, component, *g.variant(), _VERDICTS[key])
+        why = _VERDICTS[key]
+        if why is None:
+            return choice
+        if self.strict or self.path != "auto":
+            raise RuntimeError(f"{choice.backend} {component} kernel for {g.variant()} failed "
+                               f"its first-use check: {why}")
+        return Choice("reference", f"{choice.backend} {component} kernel failed its first-use "
+                                   f"check: {why}")
 
-def _auto_choice(
-    backends: dict[str, KernelBackend], q: mx.array, k_cache: mx.array, meta: AttentionMetadata
-) -> Choice:
-    if not backends:
-        return Choice("reference", "no GPU kernel backend on this machine")
-    reasons = []
-    for name, backend in backends.items():
-        why_not = backend.unsupported_reason(q, k_cache, meta)
-        if why_not:
-            reasons.append(f"{name}: {why_not}")
-            continue
-        faster = backend.reference_is_faster(q, k_cache, meta)
-        if faster:
-            reasons.append(f"{name}: {faster}")
-            continue
-        return Choice(name, "kernel supports the call")
-    return Choice("reference", "; ".join(reasons))
+    def _runner(self, choice: Choice, meta: AttentionMetadata, g: Geometry) -> Callable:
+        cu, lens, tables = meta.cu_seqlens_q_host, meta.seq_lens_host, meta.block_tables
+        if choice.path == "reference":
+            return lambda q, k, v, kc, vc: reference.paged_attention(q, kc, vc, tables, cu, lens,
+                                                                     g.scale)
+        if choice.path == "sdpa":
+            plan = plan_sdpa(cu, lens, g)
+            gather = self.backends[choice.backend].gather if choice.backend else None
+            return lambda q, k, v, kc, vc: sdpa_attention(q, k, v, kc, vc, tables, plan, gather)
+        kernel = self.backends[choice.backend].attention
+        plan = kernel.plan(cu, lens, g)
+        return lambda q, k, v, kc, vc: kernel(q, kc, vc, tables, plan)

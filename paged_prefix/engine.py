@@ -3,42 +3,37 @@
 schedule() -> execute_model() -> update_from_output(), with prefix caching and chunked
 prefill on (caching can be switched off for A/B runs). Greedy sampling. Timestamps per
 request give time-to-first-token. vLLM needs no weights here: its ModelConfig reads a
-folder holding only config.json.
+folder holding only config.json (a temporary folder this engine owns).
+
+Requests that can never run (empty, out-of-vocabulary, longer than max_model_len or than the
+block pool) are refused by `add_request` with a ValueError, and a loop in which the scheduler
+can no longer schedule anything raises instead of spinning.
 """
 
 from __future__ import annotations
 
-import logging
-import os
 import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")  # the scheduler only; the model is MLX
+import torch
+from vllm.config import CacheConfig, ModelConfig, SchedulerConfig, VllmConfig
+from vllm.sampling_params import SamplingParams
+from vllm.utils.hashing import sha256
+from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
+from vllm.v1.core.sched.scheduler import Scheduler
+from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec
+from vllm.v1.request import Request, RequestStatus
+from vllm.v1.structured_output import StructuredOutputManager
 
-import torch  # noqa: E402
-from vllm.config import CacheConfig, ModelConfig, SchedulerConfig, VllmConfig  # noqa: E402
-from vllm.sampling_params import SamplingParams  # noqa: E402
-from vllm.utils.hashing import sha256  # noqa: E402
-from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash  # noqa: E402
-from vllm.v1.core.sched.scheduler import Scheduler  # noqa: E402
-from vllm.v1.kv_cache_interface import (  # noqa: E402
-    FullAttentionSpec,
-    KVCacheConfig,
-    KVCacheGroupSpec,
-)
-from vllm.v1.request import Request  # noqa: E402
-from vllm.v1.structured_output import StructuredOutputManager  # noqa: E402
-
-from .dispatch import Dispatcher  # noqa: E402
-from .models import build_model, hf_config, resolve_config  # noqa: E402
-from .vllm_runner import TORCH_TO_MLX, VllmModelRunner  # noqa: E402
-
-# vLLM's CPU-platform notices (Triton, CPU block sizes) concern its own model runner.
-logging.getLogger("vllm").setLevel(logging.ERROR)
+from .dispatch import Dispatcher
+from .models import build_model, hf_config, resolve_config
+from .validate import as_int, as_ints
+from .vllm_runner import TORCH_TO_MLX, VllmModelRunner
 
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+STUCK_STEPS = 3  # consecutive steps that schedule nothing while requests wait: no progress
 
 
 @dataclass(frozen=True)
@@ -63,6 +58,7 @@ class RequestResult:
     arrival: float = 0.0
     first_token_time: float | None = None
     cached_tokens: int = 0  # num_computed_tokens when first scheduled: the scheduler's hit
+    finish_reason: str | None = None
 
     @property
     def ttft(self) -> float:
@@ -77,7 +73,9 @@ class Engine:
         model_cfg = resolve_config(config.model)
         torch_dtype = DTYPES[config.dtype]
         self.model = build_model(model_cfg, TORCH_TO_MLX[torch_dtype], config.seed)
-        folder = hf_config(model_cfg, Path(tempfile.mkdtemp(prefix="paged_prefix_")), config.dtype)
+        self.vocab_size = model_cfg["vocab_size"]
+        self._folder = tempfile.TemporaryDirectory(prefix="paged_prefix_")  # removed with self
+        folder = hf_config(model_cfg, Path(self._folder.name), config.dtype)
         vllm_config = VllmConfig(
             model_config=ModelConfig(model=str(folder), skip_tokenizer_init=True,
                                      dtype=config.dtype, max_model_len=config.max_model_len),
@@ -107,23 +105,48 @@ class Engine:
         self._hasher = get_request_block_hasher(config.block_size, sha256)
         self.results: dict[str, RequestResult] = {}
         self.num_resumed = 0  # preempted requests brought back: they re-run part of a prompt
+        self.num_preempted = 0
+        self.num_partial_prefills = 0  # scheduled chunks that ended before the known tokens
 
     def add_request(self, req_id: str, prompt_ids: list[int], max_tokens: int) -> None:
+        """Queue a greedy request; raises ValueError for one that could never complete."""
         if req_id in self.results:
             raise ValueError(f"req_id: {req_id!r} was already added")
-        self.results[req_id] = RequestResult(req_id, len(prompt_ids), arrival=time.perf_counter())
+        ids = as_ints(prompt_ids, "prompt_ids", low=0, high=self.vocab_size - 1)
+        if len(ids) == 0:
+            raise ValueError("prompt_ids: a request needs at least one prompt token")
+        max_tokens = as_int(max_tokens, "max_tokens", low=1)
+        total, c = len(ids) + max_tokens, self.config
+        if total > c.max_model_len:
+            raise ValueError(f"max_model_len: {len(ids)} prompt + {max_tokens} output tokens "
+                             f"exceed {c.max_model_len}")
+        usable = c.num_blocks - 1  # vLLM keeps block 0 as its null block
+        if -(-total // c.block_size) > usable:
+            raise ValueError(f"num_blocks: {total} tokens need {-(-total // c.block_size)} blocks "
+                             f"of {c.block_size}, the pool has {usable}")
+        self.results[req_id] = RequestResult(req_id, len(ids), arrival=time.perf_counter())
         self.scheduler.add_request(Request(
-            request_id=req_id, prompt_token_ids=list(prompt_ids),
+            request_id=req_id, prompt_token_ids=ids.tolist(),
             sampling_params=SamplingParams(max_tokens=max_tokens, ignore_eos=True, temperature=0.0),
             pooling_params=None, block_hasher=self._hasher))
+
+    def abort(self, req_id: str) -> None:
+        """Stop a queued or running request; its blocks go back to the pool."""
+        if req_id not in self.results:
+            raise ValueError(f"req_id: {req_id!r} is unknown")
+        self.scheduler.finish_requests(req_id, RequestStatus.FINISHED_ABORTED)
+        self.results[req_id].finish_reason = self.results[req_id].finish_reason or "abort"
 
     def step(self) -> list[str]:
         """One schedule + forward; returns the ids of requests that finished."""
         so = self.scheduler.schedule()
         for new in so.scheduled_new_reqs:
             self.results[new.req_id].cached_tokens = new.num_computed_tokens
-        self.num_resumed += len(so.scheduled_cached_reqs.resumed_req_ids)
+        cached = so.scheduled_cached_reqs
+        self.num_resumed += len(cached.resumed_req_ids)
+        self.num_preempted += len(so.preempted_req_ids or ())
         out = self.runner.execute_model(so)
+        self.num_partial_prefills += sum(not tokens for tokens in out.sampled_token_ids)
         now = time.perf_counter()
         finished = []
         for core_outputs in self.scheduler.update_from_output(so, out).values():
@@ -133,20 +156,24 @@ class Engine:
                     result.first_token_time = now
                 result.output_ids.extend(o.new_token_ids)
                 if o.finish_reason is not None:
+                    result.finish_reason = str(o.finish_reason)
                     finished.append(o.request_id)
         return finished
 
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished_requests()
 
-    def run_to_completion(self, max_steps: int = 100_000) -> None:
-        for _ in range(max_steps):
-            if not self.has_unfinished():
-                return
+    def run_to_completion(self) -> None:
+        idle = 0
+        while self.has_unfinished():
+            before = self.runner.runner.stats.forwards
             self.step()
-        raise RuntimeError(f"requests still unfinished after {max_steps} steps")
+            idle = idle + 1 if self.runner.runner.stats.forwards == before else 0
+            if idle >= STUCK_STEPS:
+                raise RuntimeError(f"the scheduler scheduled nothing for {idle} steps with "
+                                   f"{self.scheduler.get_num_unfinished_requests()} requests "
+                                   "unfinished")
 
     @property
     def tokens_computed(self) -> int:
         return self.runner.runner.stats.tokens_computed
-

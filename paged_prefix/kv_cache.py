@@ -1,22 +1,35 @@
 """The paged KV cache: per layer K and V blocks, written in place by slot.
 
-Layout per layer (vllm-metal's): `[num_blocks, block_size, num_kv_heads, head_dim]`.
-The arrays are stored flat as `[(num_blocks + 1) * block_size, num_kv_heads, head_dim]`
-because MLX updates a scatter target in place only when the target is the sole
-owner of its buffer: a flat array that this object alone holds is donated to the
-scatter, while scattering through a reshaped view copies the whole cache first.
-`blocks()` hands out the 4D view (a free reshape) for readers.
+Layout per layer (vllm-metal's): `[num_blocks, block_size, num_kv_heads, head_dim]`. The
+arrays are stored flat as `[num_blocks * block_size, num_kv_heads, head_dim]` because MLX
+updates a scatter target in place only when the target is the sole owner of its buffer: a flat
+array that this object alone holds is donated to the scatter, while scattering through a
+reshaped view copies the whole cache first. `blocks()` hands out the 4D view (a free reshape).
 
-The extra trailing block is scratch: padding slots (-1) are redirected there, so a
-write needs neither a host sync nor a compaction of the new rows. No block table may
-name it (metadata validates block ids < num_blocks).
+Writes take `Slots`, validated once per forward against this cache on the host (no padding
+slots: every row written is a real token), so the per-layer write needs no host sync and an
+out-of-range slot can never reach MLX's scatter, which does not bound-check.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import mlx.core as mx
+import numpy as np
+
+from .validate import as_int, as_ints
 
 SUPPORTED_DTYPES = (mx.float16, mx.bfloat16, mx.float32)
+
+
+@dataclass(frozen=True, eq=False)
+class Slots:
+    """Cache rows of one forward's new tokens, checked against one cache (`PagedKVCache.slots`)."""
+
+    cache_id: int
+    device: mx.array  # int64 [T]
+    count: int
 
 
 class PagedKVCache:
@@ -31,15 +44,10 @@ class PagedKVCache:
         head_dim: int,
         dtype: mx.Dtype = mx.float16,
     ):
-        for name, value in (
-            ("num_layers", num_layers),
-            ("num_blocks", num_blocks),
-            ("block_size", block_size),
-            ("num_kv_heads", num_kv_heads),
-            ("head_dim", head_dim),
-        ):
-            if value <= 0:
-                raise ValueError(f"{name} must be positive, got {value}")
+        for name, value in (("num_layers", num_layers), ("num_blocks", num_blocks),
+                            ("block_size", block_size), ("num_kv_heads", num_kv_heads),
+                            ("head_dim", head_dim)):
+            as_int(value, name, low=1)
         if dtype not in SUPPORTED_DTYPES:
             raise ValueError(f"dtype must be one of {SUPPORTED_DTYPES}, got {dtype}")
         self.num_layers = num_layers
@@ -48,8 +56,7 @@ class PagedKVCache:
         self.num_kv_heads = num_kv_heads
         self.head_dim = head_dim
         self.dtype = dtype
-        rows = (num_blocks + 1) * block_size
-        self._scratch_slot = num_blocks * block_size
+        rows = num_blocks * block_size
         self._k = [mx.zeros((rows, num_kv_heads, head_dim), dtype) for _ in range(num_layers)]
         self._v = [mx.zeros((rows, num_kv_heads, head_dim), dtype) for _ in range(num_layers)]
         mx.eval(self._k, self._v)
@@ -58,21 +65,47 @@ class PagedKVCache:
     def nbytes(self) -> int:
         return sum(a.nbytes for a in self._k + self._v)
 
-    def write(self, layer: int, keys: mx.array, values: mx.array, slot_mapping: mx.array) -> None:
+    def slots(self, slot_mapping: np.ndarray) -> Slots:
+        """Validate host slot ids ([T] ints in [0, num_blocks * block_size), no repeats)."""
+        rows = as_ints(slot_mapping, "slot_mapping", low=0,
+                       high=self.num_blocks * self.block_size - 1)
+        if len(np.unique(rows)) != len(rows):
+            raise ValueError("slot_mapping: a slot is written twice in one forward")
+        return Slots(id(self), mx.array(rows), len(rows))
+
+    def write(self, layer: int, keys: mx.array, values: mx.array, slots: Slots) -> None:
         """Scatter new rows into their slots; lazily, so the write joins the layer's graph.
 
-        keys, values: [T, num_kv_heads, head_dim]; slot_mapping: [T] int, -1 = padding.
+        keys, values: [T, num_kv_heads, head_dim] (cast to the cache dtype).
         """
-        slots = mx.where(slot_mapping < 0, self._scratch_slot, slot_mapping)
-        self._k[layer][slots] = keys.astype(self.dtype)
-        self._v[layer][slots] = values.astype(self.dtype)
+        if not isinstance(slots, Slots) or slots.cache_id != id(self):
+            raise ValueError("slots: expected this cache's PagedKVCache.slots(...)")
+        as_int(layer, "layer", low=0, high=self.num_layers - 1)
+        want = (slots.count, self.num_kv_heads, self.head_dim)
+        if keys.shape != want or values.shape != want:
+            raise ValueError(f"keys, values: expected {want}, got {keys.shape} and {values.shape}")
+        self._k[layer][slots.device] = keys.astype(self.dtype)
+        self._v[layer][slots.device] = values.astype(self.dtype)
 
     def arrays(self) -> list[mx.array]:
         """Every layer's current K and V arrays, e.g. to evaluate pending writes."""
         return self._k + self._v
 
+    def snapshot(self) -> list[mx.array]:
+        """Views of every layer's arrays as they are now, for `restore` after a failed forward.
+
+        Writes are lazy and in place only when evaluated: restoring these drops the pending
+        writes of a forward that raised before evaluation. Drop the snapshot before evaluating
+        a forward that succeeded: while it lives the arrays are shared, and the write copies.
+        """
+        return [a.reshape(a.shape) for a in self._k + self._v]
+
+    def restore(self, snapshot: list[mx.array]) -> None:
+        if len(snapshot) != 2 * self.num_layers:
+            raise ValueError(f"snapshot: expected {2 * self.num_layers} arrays, got {len(snapshot)}")
+        self._k, self._v = list(snapshot[:self.num_layers]), list(snapshot[self.num_layers:])
+
     def blocks(self, layer: int) -> tuple[mx.array, mx.array]:
         """The layer's K and V as `[num_blocks, block_size, num_kv_heads, head_dim]` views."""
         shape = (self.num_blocks, self.block_size, self.num_kv_heads, self.head_dim)
-        used = self.num_blocks * self.block_size
-        return self._k[layer][:used].reshape(shape), self._v[layer][:used].reshape(shape)
+        return self._k[layer].reshape(shape), self._v[layer].reshape(shape)

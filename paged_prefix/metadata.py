@@ -1,36 +1,35 @@
 """Per-forward batch metadata: built once from the scheduled requests, then only read.
 
-Data flows one way: scheduled requests -> `BatchMetadata` (host work and validation,
-once per forward) -> every layer's attention reads `BatchMetadata.attn` without any
-host sync. Host copies (numpy, read-only) travel beside the device arrays so that no
-per-layer code needs `.item()` / `.tolist()`.
+Data flows one way: scheduled requests -> `BatchMetadata` (host work and validation, once per
+forward) -> every layer's attention reads `BatchMetadata.attn` without any host sync. Host
+copies (numpy, read-only) travel beside the device arrays so that no per-layer code needs
+`.item()` / `.tolist()`.
 
-Token layout: the new tokens of all sequences are packed back to back, sequence s
-owning rows `cu_seqlens_q[s] : cu_seqlens_q[s + 1]`. Sequence s already has
-`context_lens[s]` tokens in its paged KV blocks (a prefix-cache hit or earlier chunks);
-its new token i sits at absolute position `context_lens[s] + i` and may attend to keys
-`0 .. context_lens[s] + i` (bottom-right-aligned causal).
+Token layout: the new tokens of all sequences are packed back to back, sequence s owning rows
+`cu_seqlens_q[s] : cu_seqlens_q[s + 1]`. Sequence s already has `context_lens[s]` tokens in its
+paged KV blocks (a prefix-cache hit or earlier chunks); its new token i sits at absolute
+position `context_lens[s] + i` and may attend to keys `0 .. context_lens[s] + i`
+(bottom-right-aligned causal).
+
+Every inconsistency is a ValueError naming the field, raised before anything is written.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Hashable, Sequence
-from dataclasses import dataclass, field
-from typing import Any
+from collections.abc import Sequence
+from dataclasses import dataclass
 
 import mlx.core as mx
 import numpy as np
 
+from .validate import as_int, as_ints, frozen
 
-def _frozen_host(values: Sequence[int] | np.ndarray, dtype=np.int32) -> np.ndarray:
-    arr = np.array(values, dtype=dtype)
-    arr.flags.writeable = False
-    return arr
+MAX_INT32 = 2**31 - 1
 
 
 @dataclass(frozen=True, eq=False)
 class AttentionMetadata:
-    """What paged attention needs for one forward; the contract every implementation reads.
+    """What paged attention needs for one forward (the contract of `reference.contract`).
 
     Device arrays (int32):
       block_tables [S, max_blocks]: row s lists the KV blocks of sequence s in order;
@@ -51,9 +50,6 @@ class AttentionMetadata:
     seq_lens_host: np.ndarray
     context_lens_host: np.ndarray
     cu_seqlens_q_host: np.ndarray
-    # Derived per-forward plans (e.g. a kernel's tile work list) keyed by their
-    # builder, so each is computed once per forward however many layers run.
-    _plans: dict = field(default_factory=dict, repr=False, compare=False)
 
     @property
     def num_seqs(self) -> int:
@@ -71,12 +67,6 @@ class AttentionMetadata:
     def max_q_len(self) -> int:
         return int(self.q_lens_host.max())
 
-    def plan(self, key: Hashable, build: Callable[[AttentionMetadata], Any]) -> Any:
-        """Return `build(self)`, computed on the first call for `key` in this forward."""
-        if key not in self._plans:
-            self._plans[key] = build(self)
-        return self._plans[key]
-
 
 def build_attention_metadata(
     q_lens: Sequence[int],
@@ -86,53 +76,47 @@ def build_attention_metadata(
     num_blocks: int,
 ) -> AttentionMetadata:
     """Validate one forward's attention geometry and pack it; raises ValueError naming the field."""
-    if block_size <= 0:
-        raise ValueError(f"block_size must be positive, got {block_size}")
-    if num_blocks <= 0:
-        raise ValueError(f"num_blocks must be positive, got {num_blocks}")
-    num_seqs = len(q_lens)
-    if num_seqs == 0:
+    return _attention_metadata(q_lens, context_lens, block_tables, block_size, num_blocks)[0]
+
+
+def _attention_metadata(q_lens, context_lens, block_tables, block_size, num_blocks):
+    """(metadata, shared reads [(writer, reader, table index)]); see `_shared_reads`."""
+    block_size = as_int(block_size, "block_size", low=1, high=MAX_INT32)
+    num_blocks = as_int(num_blocks, "num_blocks", low=1, high=MAX_INT32)
+    q = as_ints(q_lens, "q_lens", low=1, high=MAX_INT32)
+    if len(q) == 0:
         raise ValueError("q_lens: a forward needs at least one sequence")
-    if len(context_lens) != num_seqs or len(block_tables) != num_seqs:
+    ctx = as_ints(context_lens, "context_lens", low=0, high=MAX_INT32)
+    if len(ctx) != len(q) or len(block_tables) != len(q):
         raise ValueError(
-            f"context_lens/block_tables: expected {num_seqs} entries (one per sequence), "
-            f"got {len(context_lens)} and {len(block_tables)}"
-        )
-    q = np.asarray(q_lens, dtype=np.int64)
-    ctx = np.asarray(context_lens, dtype=np.int64)
-    if (q < 1).any():
-        raise ValueError(f"q_lens: every sequence needs at least one new token, got {q.tolist()}")
-    if (ctx < 0).any():
-        raise ValueError(f"context_lens: must be non-negative, got {ctx.tolist()}")
+            f"context_lens/block_tables: expected {len(q)} entries (one per sequence), "
+            f"got {len(ctx)} and {len(block_tables)}")
     seq = ctx + q
-    if seq.max() >= 2**31:
+    if seq.max() > MAX_INT32:
         raise ValueError("seq_lens: a sequence longer than 2**31 - 1 tokens does not fit int32")
-    max_blocks = max(len(row) for row in block_tables)
-    table = np.zeros((num_seqs, max(max_blocks, 1)), dtype=np.int32)
-    for s, row in enumerate(block_tables):
+    rows = [as_ints(row, f"block_tables[{s}]", low=0, high=num_blocks - 1)
+            for s, row in enumerate(block_tables)]
+    table = np.zeros((len(q), max(max(len(r) for r in rows), 1)), dtype=np.int32)
+    for s, row in enumerate(rows):
         needed = -(-int(seq[s]) // block_size)
         if len(row) < needed:
             raise ValueError(
                 f"block_tables: sequence {s} holds {seq[s]} tokens and needs {needed} blocks "
-                f"of {block_size}, but its table has {len(row)}"
-            )
-        ids = np.asarray(row[:needed], dtype=np.int64)
-        if ((ids < 0) | (ids >= num_blocks)).any():
-            raise ValueError(
-                f"block_tables: sequence {s} names block ids outside [0, {num_blocks}): "
-                f"{ids[(ids < 0) | (ids >= num_blocks)].tolist()}"
-            )
-        table[s, :needed] = ids
+                f"of {block_size}, but its table has {len(row)}")
+        if len(np.unique(row)) != len(row):
+            raise ValueError(f"block_tables: sequence {s} names a block twice: {row.tolist()}")
+        table[s, :needed] = row[:needed]
     cu = np.concatenate([[0], np.cumsum(q)])
-    if cu[-1] >= 2**31:
+    if cu[-1] > MAX_INT32:
         raise ValueError("cu_seqlens_q: more than 2**31 - 1 new tokens in one forward")
+    shared = _shared_reads(table, ctx, seq, block_size)
     host = {
-        "block_tables_host": _frozen_host(table),
-        "seq_lens_host": _frozen_host(seq),
-        "context_lens_host": _frozen_host(ctx),
-        "cu_seqlens_q_host": _frozen_host(cu),
+        "block_tables_host": frozen(table),
+        "seq_lens_host": frozen(seq.astype(np.int32)),
+        "context_lens_host": frozen(ctx.astype(np.int32)),
+        "cu_seqlens_q_host": frozen(cu.astype(np.int32)),
     }
-    return AttentionMetadata(
+    meta = AttentionMetadata(
         block_size=block_size,
         num_blocks=num_blocks,
         block_tables=mx.array(host["block_tables_host"]),
@@ -141,6 +125,38 @@ def build_attention_metadata(
         cu_seqlens_q=mx.array(host["cu_seqlens_q_host"]),
         **host,
     )
+    return meta, shared
+
+
+def _shared_reads(table: np.ndarray, ctx: np.ndarray, seq: np.ndarray,
+                  block_size: int) -> np.ndarray:
+    """Blocks one sequence writes and another reads as its cached prefix, as rows
+    (writer, reader, table index). The scheduler may hand out as a hit a block that another
+    request fills in this very forward (it registers a block's hash when it allocates it):
+    that is legal when both tables hold it at the same index (and, checked by the caller, the
+    same tokens), since every layer writes its K/V before it reads. Two sequences writing one
+    block, or a block read at another position than it is written, is refused."""
+    idx = np.arange(table.shape[1])[None, :]
+    first, last = ctx // block_size, -(-seq // block_size)
+    w_seq, w_idx = np.nonzero((idx >= first[:, None]) & (idx < last[:, None]))
+    written = table[w_seq, w_idx]
+    order = np.argsort(written, kind="stable")
+    dup = np.nonzero(np.diff(written[order]) == 0)[0]
+    if len(dup):
+        a, b = order[dup[0]], order[dup[0] + 1]
+        raise ValueError(f"block_tables: sequences {w_seq[a]} and {w_seq[b]} both write block "
+                         f"{written[a]} in one forward")
+    r_seq, r_idx = np.nonzero(idx < (-(-ctx // block_size))[:, None])
+    read = table[r_seq, r_idx]
+    hit = np.nonzero(np.isin(read, written))[0]
+    pos = order[np.searchsorted(written[order], read[hit])]
+    writer, reader, at = w_seq[pos], r_seq[hit], r_idx[hit]
+    other = writer != reader
+    if (w_idx[pos][other] != at[other]).any():
+        k = np.nonzero(other & (w_idx[pos] != at))[0][0]
+        raise ValueError(f"block_tables: sequence {reader[k]} reads block {read[hit][k]} as its "
+                         f"cached prefix while sequence {writer[k]} writes it at another position")
+    return np.stack([writer[other], reader[other], at[other]], axis=1)
 
 
 @dataclass(frozen=True)
@@ -148,10 +164,15 @@ class ScheduledRequest:
     """One request's share of a forward, as the scheduler decided it.
 
     token_ids: every token known for the request (prompt, then sampled outputs).
+    num_prompt_tokens: how many of them are the prompt.
     num_computed_tokens: tokens whose K/V are already in `block_ids` (prefix hit or
         earlier steps); the forward computes tokens
         `num_computed_tokens : num_computed_tokens + num_scheduled_tokens`.
     block_ids: the request's KV blocks in order, cached prefix blocks first.
+
+    A request samples only when its forward reaches its last known token: a chunk that
+    ends earlier (mid-prompt, or mid-way through re-prefilling a preempted request's
+    outputs) produces no token, as in vLLM's own runners.
     """
 
     req_id: str
@@ -166,17 +187,21 @@ class ScheduledRequest:
 class BatchMetadata:
     """Everything one forward reads, built once by `build_batch_metadata`.
 
-    input_ids     [T] int32: the scheduled (uncached) tokens, packed.
-    positions     [T] int32: absolute positions, starting at each num_computed_tokens.
-    slot_mapping  [T] int64: cache row `block_id * block_size + offset` per new token.
-    logits_indices [R] int32: row of the last new token of every request that
-        finishes its prompt (or decodes) in this forward, in `sample_req_ids` order.
+    input_ids      [T] int32: the scheduled (uncached) tokens, packed (host mirror
+                   `input_ids_host`).
+    positions      [T] int32: absolute positions, starting at each num_computed_tokens.
+    slot_mapping   [T] int64: cache row `block_id * block_size + offset` per new token
+                   (host mirror `slot_mapping_host`).
+    logits_indices [R] int32: row of the last new token of every request that samples in
+                   this forward, in `sample_req_ids` order.
     """
 
     req_ids: tuple[str, ...]
     input_ids: mx.array
+    input_ids_host: np.ndarray
     positions: mx.array
     slot_mapping: mx.array
+    slot_mapping_host: np.ndarray
     logits_indices: mx.array
     sample_req_ids: tuple[str, ...]
     attn: AttentionMetadata
@@ -186,66 +211,69 @@ class BatchMetadata:
         return self.attn.num_tokens
 
 
+def _check_request(r: ScheduledRequest, vocab_size: int | None) -> np.ndarray:
+    """Validate one request; returns its scheduled token ids (int64)."""
+    if not isinstance(r.req_id, str) or not r.req_id:
+        raise ValueError(f"req_id: expected a non-empty str, got {r.req_id!r}")
+    known = len(r.token_ids)
+    computed = as_int(r.num_computed_tokens, f"num_computed_tokens ({r.req_id!r})", low=0)
+    if computed > known:
+        raise ValueError(f"num_computed_tokens: {r.req_id!r} claims {computed} computed tokens "
+                         f"but only {known} are known")
+    scheduled = as_int(r.num_scheduled_tokens, f"num_scheduled_tokens ({r.req_id!r})", low=1)
+    if computed + scheduled > known:
+        raise ValueError(f"num_scheduled_tokens: {r.req_id!r} schedules tokens up to "
+                         f"{computed + scheduled} but only {known} are known")
+    as_int(r.num_prompt_tokens, f"num_prompt_tokens ({r.req_id!r})", low=1, high=known)
+    high = None if vocab_size is None else vocab_size - 1
+    return as_ints(list(r.token_ids[computed:computed + scheduled]),
+                   f"token_ids ({r.req_id!r})", low=0, high=high)
+
+
 def build_batch_metadata(
-    requests: Sequence[ScheduledRequest], block_size: int, num_blocks: int
+    requests: Sequence[ScheduledRequest], block_size: int, num_blocks: int,
+    vocab_size: int | None = None,
 ) -> BatchMetadata:
-    """Turn the scheduler's decisions into one forward's metadata; raises ValueError naming the field."""
+    """Turn the scheduler's decisions into one forward's metadata; raises ValueError naming
+    the field. `vocab_size`, when given, bounds the scheduled token ids."""
     if not requests:
         raise ValueError("requests: a forward needs at least one scheduled request")
-    seen: set[str] = set()
-    for r in requests:
-        if r.req_id in seen:
-            raise ValueError(f"req_id: {r.req_id!r} is scheduled twice in one forward")
-        seen.add(r.req_id)
-        if r.num_computed_tokens < 0:
-            raise ValueError(f"num_computed_tokens: {r.req_id!r} has {r.num_computed_tokens} < 0")
-        if r.num_computed_tokens > len(r.token_ids):
-            raise ValueError(
-                f"num_computed_tokens: {r.req_id!r} claims {r.num_computed_tokens} computed "
-                f"tokens but only {len(r.token_ids)} are known"
-            )
-        if r.num_scheduled_tokens < 1:
-            raise ValueError(
-                f"num_scheduled_tokens: {r.req_id!r} is scheduled with {r.num_scheduled_tokens}"
-            )
-        if r.num_computed_tokens + r.num_scheduled_tokens > len(r.token_ids):
-            raise ValueError(
-                f"num_scheduled_tokens: {r.req_id!r} schedules tokens up to "
-                f"{r.num_computed_tokens + r.num_scheduled_tokens} but only "
-                f"{len(r.token_ids)} are known"
-            )
-        if not 0 < r.num_prompt_tokens <= len(r.token_ids):
-            raise ValueError(
-                f"num_prompt_tokens: {r.req_id!r} has {r.num_prompt_tokens} prompt tokens "
-                f"of {len(r.token_ids)} known"
-            )
-
-    attn = build_attention_metadata(
+    if vocab_size is not None:
+        vocab_size = as_int(vocab_size, "vocab_size", low=1)
+    if len({r.req_id for r in requests}) != len(requests):
+        raise ValueError("req_id: a request is scheduled twice in one forward")
+    input_ids = [_check_request(r, vocab_size) for r in requests]
+    attn, shared = _attention_metadata(
         q_lens=[r.num_scheduled_tokens for r in requests],
         context_lens=[r.num_computed_tokens for r in requests],
         block_tables=[r.block_ids for r in requests],
         block_size=block_size,
         num_blocks=num_blocks,
     )
-    input_ids, positions, sample_rows, sample_ids = [], [], [], []
-    for s, r in enumerate(requests):
-        start, end = r.num_computed_tokens, r.num_computed_tokens + r.num_scheduled_tokens
-        input_ids.extend(r.token_ids[start:end])
-        positions.append(np.arange(start, end))
-        # A chunk that stops short of the prompt's end produces no token.
-        if end >= r.num_prompt_tokens:
-            sample_rows.append(int(attn.cu_seqlens_q_host[s + 1]) - 1)
-            sample_ids.append(r.req_id)
-    pos = np.concatenate(positions)
+    for writer, reader, i in shared:
+        # the reader's cached tokens up to the end of the block must be the writer's
+        end = min(int(attn.context_lens_host[reader]), (int(i) + 1) * attn.block_size)
+        if list(requests[writer].token_ids[:end]) != list(requests[reader].token_ids[:end]):
+            raise ValueError(
+                f"block_ids: {requests[reader].req_id!r} reads block "
+                f"{attn.block_tables_host[reader, i]} as cached prefix while "
+                f"{requests[writer].req_id!r} writes other tokens into it")
+    cu, ctx = attn.cu_seqlens_q_host, attn.context_lens_host
+    pos = np.concatenate([np.arange(c, c + q) for c, q in zip(ctx, attn.q_lens_host)])
     seq_of_token = np.repeat(np.arange(attn.num_seqs), attn.q_lens_host)
     blocks = attn.block_tables_host[seq_of_token, pos // block_size].astype(np.int64)
-    slots = blocks * block_size + pos % block_size
+    slots = frozen(blocks * block_size + pos % block_size)
+    ids = frozen(np.concatenate(input_ids).astype(np.int32))
+    samples = [(int(cu[s + 1]) - 1, r.req_id) for s, r in enumerate(requests)
+               if int(attn.seq_lens_host[s]) == len(r.token_ids)]
     return BatchMetadata(
         req_ids=tuple(r.req_id for r in requests),
-        input_ids=mx.array(np.asarray(input_ids, dtype=np.int32)),
+        input_ids=mx.array(ids),
+        input_ids_host=ids,
         positions=mx.array(pos.astype(np.int32)),
         slot_mapping=mx.array(slots),
-        logits_indices=mx.array(np.asarray(sample_rows, dtype=np.int32)),
-        sample_req_ids=tuple(sample_ids),
+        slot_mapping_host=slots,
+        logits_indices=mx.array(np.array([row for row, _ in samples], dtype=np.int32)),
+        sample_req_ids=tuple(req_id for _, req_id in samples),
         attn=attn,
     )

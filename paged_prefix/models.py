@@ -1,7 +1,7 @@
 """Built-in models: real mlx-lm model classes with seeded random weights.
 
-No hub downloads exist on these machines, so the default models are small configs of
-the real Llama and Qwen3 classes. `hf_config()` writes the matching Hugging Face style
+The built-in models are small configs of the real Llama, Qwen2 and Qwen3 classes (tests and
+the offline demo need no download), plus GPU-sized shapes for the prefill benchmarks. `hf_config()` writes the matching Hugging Face style
 config.json that vLLM's ModelConfig reads.
 """
 
@@ -12,7 +12,7 @@ from pathlib import Path
 
 import mlx.core as mx
 import mlx.nn as nn
-from mlx_lm.models import llama, qwen3
+from mlx_lm.models import llama, qwen2, qwen3
 
 _COMMON = dict(
     rms_norm_eps=1e-5, rope_theta=10000.0, max_position_embeddings=4096,
@@ -27,11 +27,16 @@ BUILTIN_CONFIGS: dict[str, dict] = {
     "qwen3-tiny": dict(model_type="qwen3", hidden_size=256, num_hidden_layers=4,
                        intermediate_size=512, num_attention_heads=8, num_key_value_heads=2,
                        head_dim=64, vocab_size=2048, **_COMMON),
-    # GPU-sized (about 1.2B parameters): prefill timings on the H200, where a tiny model
-    # would measure only launch overhead.
+    # GPU-sized (1.10B parameters): prefill timings on a GPU, where a tiny model would
+    # measure only launch overhead.
     "llama-1b": dict(model_type="llama", hidden_size=2048, num_hidden_layers=16,
                      intermediate_size=8192, num_attention_heads=32, num_key_value_heads=8,
                      head_dim=64, vocab_size=32000, **_COMMON),
+    # Llama-3-8B's shape (8.0B parameters), for the end-to-end prefill benchmark.
+    "llama-8b": dict(model_type="llama", hidden_size=4096, num_hidden_layers=32,
+                     intermediate_size=14336, num_attention_heads=32, num_key_value_heads=8,
+                     head_dim=128, vocab_size=128256,
+                     **{**_COMMON, "rope_theta": 500000.0, "max_position_embeddings": 16384}),
     # Test-sized: fast enough for many forwards in unit tests.
     "llama-test": dict(model_type="llama", hidden_size=128, num_hidden_layers=2,
                        intermediate_size=256, num_attention_heads=4, num_key_value_heads=2,
@@ -39,9 +44,14 @@ BUILTIN_CONFIGS: dict[str, dict] = {
     "qwen3-test": dict(model_type="qwen3", hidden_size=128, num_hidden_layers=2,
                        intermediate_size=256, num_attention_heads=8, num_key_value_heads=1,
                        head_dim=64, vocab_size=512, **_COMMON),
+    # Qwen2's attention has q/k/v biases and derives head_dim from hidden_size / heads.
+    "qwen2-test": dict(model_type="qwen2", hidden_size=256, num_hidden_layers=2,
+                       intermediate_size=256, num_attention_heads=4, num_key_value_heads=2,
+                       head_dim=64, vocab_size=512, **_COMMON),
 }
-_MODULES = {"llama": llama, "qwen3": qwen3}
-_ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen3": "Qwen3ForCausalLM"}
+_MODULES = {"llama": llama, "mistral": llama, "qwen2": qwen2, "qwen3": qwen3}
+_ARCHITECTURES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM",
+                  "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
 
 
 def resolve_config(model: str | dict, **overrides) -> dict:

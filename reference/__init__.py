@@ -1,6 +1,10 @@
-"""Plain-MLX references: the oracles every kernel is checked against."""
+"""Plain-MLX references: the attention contract and the oracles every kernel is checked against.
 
+Imports nothing of `paged_prefix` or `jit_kernels`: plain arrays in, arrays out.
+"""
+
+from .contract import check_paged_inputs
 from .dense import dense_attention
-from .paged_attention import gather_kv, paged_attention
+from .paged_attention import gather_kv, paged_attention, sdpa
 
-__all__ = ["dense_attention", "gather_kv", "paged_attention"]
+__all__ = ["check_paged_inputs", "dense_attention", "gather_kv", "paged_attention", "sdpa"]

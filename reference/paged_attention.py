@@ -9,44 +9,56 @@ natively (no repeated K/V).
 from __future__ import annotations
 
 import mlx.core as mx
+import numpy as np
 
-from paged_prefix.contract import check_attention_inputs
-from paged_prefix.metadata import AttentionMetadata
+from .contract import check_paged_inputs
+
+_HALF = (mx.float16, mx.bfloat16)
+
+
+def sdpa(q: mx.array, k: mx.array, v: mx.array, scale: float) -> mx.array:
+    """Bottom-right causal SDPA of one sequence, with fp32 scores on every backend.
+
+    q [1, H, Lq, D], k, v [1, Hkv, Lk, D]; returns q's shape and dtype. MLX's CPU fallback
+    computes half-precision inputs with half-precision scores (up to ~1e-2 off for large
+    scores), while the GPU kernels accumulate scores in fp32: on the CPU half inputs are
+    upcast so that the reference means the same thing everywhere. The GPU path is untouched.
+    """
+    mask = "causal" if q.shape[2] > 1 else None
+    if q.dtype in _HALF and mx.default_device() == mx.cpu:
+        out = mx.fast.scaled_dot_product_attention(
+            q.astype(mx.float32), k.astype(mx.float32), v.astype(mx.float32),
+            scale=scale, mask=mask)
+        return out.astype(q.dtype)
+    return mx.fast.scaled_dot_product_attention(q, k, v, scale=scale, mask=mask)
 
 
 def gather_kv(
     k_cache: mx.array, v_cache: mx.array, block_table: mx.array, seq_len: int
 ) -> tuple[mx.array, mx.array]:
-    """Contiguous K/V of one sequence.
+    """Contiguous K/V of one sequence, head-major as SDPA takes them.
 
     k_cache, v_cache: [num_blocks, block_size, Hkv, D]; block_table: [n] int32 with
-    n * block_size >= seq_len. Returns two [seq_len, Hkv, D] arrays.
+    n * block_size >= seq_len. Returns two [Hkv, seq_len, D] arrays.
     """
     _, block_size, num_kv_heads, head_dim = k_cache.shape
     n = -(-seq_len // block_size)
     ids = block_table[:n]
     k = k_cache[ids].reshape(n * block_size, num_kv_heads, head_dim)[:seq_len]
     v = v_cache[ids].reshape(n * block_size, num_kv_heads, head_dim)[:seq_len]
-    return k, v
+    return k.transpose(1, 0, 2), v.transpose(1, 0, 2)
 
 
 def paged_attention(
-    q: mx.array, k_cache: mx.array, v_cache: mx.array, meta: AttentionMetadata, scale: float
+    q: mx.array, k_cache: mx.array, v_cache: mx.array, block_tables: mx.array,
+    cu_seqlens_q: np.ndarray, seq_lens: np.ndarray, scale: float,
 ) -> mx.array:
-    """The contract of `paged_prefix.contract`, one gather + SDPA per sequence."""
-    check_attention_inputs(q, k_cache, v_cache, meta)
+    """The contract of `reference.contract`, one gather + SDPA per sequence."""
+    check_paged_inputs(q, k_cache, v_cache, block_tables, cu_seqlens_q, seq_lens)
     outs = []
-    cu = meta.cu_seqlens_q_host
-    for s in range(meta.num_seqs):
-        start, end = int(cu[s]), int(cu[s + 1])
-        k, v = gather_kv(k_cache, v_cache, meta.block_tables[s], int(meta.seq_lens_host[s]))
+    for s in range(len(seq_lens)):
+        start, end = int(cu_seqlens_q[s]), int(cu_seqlens_q[s + 1])
+        k, v = gather_kv(k_cache, v_cache, block_tables[s], int(seq_lens[s]))
         qs = q[start:end].transpose(1, 0, 2)[None]  # [1, H, Lq, D]
-        o = mx.fast.scaled_dot_product_attention(
-            qs,
-            k.transpose(1, 0, 2)[None],
-            v.transpose(1, 0, 2)[None],
-            scale=scale,
-            mask="causal" if end - start > 1 else None,
-        )
-        outs.append(o[0].transpose(1, 0, 2))  # [Lq, H, D]
+        outs.append(sdpa(qs, k[None], v[None], scale)[0].transpose(1, 0, 2))  # [Lq, H, D]
     return outs[0] if len(outs) == 1 else mx.concatenate(outs, axis=0)

@@ -1,49 +1,137 @@
-"""The dispatcher: one decision per call, a reason for it, and no silent fallback."""
+"""The dispatcher: one decision per forward, a reason for it, the canary, no silent fallback.
+
+`auto` is exercised with fake backends (the dispatcher takes its backends as an argument):
+a correct one built on the reference, and broken ones that compute wrong numbers or fail to
+compile, which the first-use check must catch.
+"""
 
 import logging
+from dataclasses import dataclass
 
 import mlx.core as mx
 import numpy as np
 import pytest
 
 import reference
+from jit_kernels import KernelBackend
+from jit_kernels.support import Geometry
+from paged_prefix import dispatch
 from paged_prefix.dispatch import ENV_VAR, Dispatcher
-from tests.conftest import HAS_CUDA, HAS_METAL, random_cache, random_layout
+from paged_prefix.metadata import build_attention_metadata
+from tests.conftest import HAS_CUDA, HAS_METAL, PagedCase, assert_close
+
+GEOMETRY = Geometry(8, 2, 64, 16, mx.float16, 0.125)
 
 
-def call(dispatcher):
-    rng = np.random.default_rng(0)
-    meta, _ = random_layout(rng, [5, 1], [13, 30], 16)
-    k, v = random_cache(rng, meta.num_blocks, 16, 2, 64, mx.float16)
-    q = mx.array(rng.standard_normal((6, 8, 64), dtype=np.float32)).astype(mx.float16)
-    return dispatcher(q, k, v, meta, 0.125), reference.paged_attention(q, k, v, meta, 0.125)
+@dataclass
+class FakeAttention:
+    """A 'kernel' that is the reference, optionally broken: off by `error` or failing to build."""
+
+    error: float = 0.0
+    fails: bool = False
+    calls: int = 0
+
+    def unsupported_reason(self, g):
+        return None if g.head_dim == 64 else f"head_dim {g.head_dim}"
+
+    def plan(self, cu, lens, g):
+        return (cu, lens, g.scale)
+
+    def __call__(self, q, k_cache, v_cache, tables, plan):
+        self.calls += 1
+        if self.fails:
+            raise RuntimeError("error: expected ';' (a compile error)")
+        out = reference.paged_attention(q, k_cache, v_cache, tables, *plan)
+        return out * (1 + self.error)
+
+
+class FakeGather:
+    def unsupported_reason(self, dtype, head_dim):
+        return None
+
+    def __call__(self, k_cache, v_cache, tables, plan):
+        return [reference.gather_kv(k_cache, v_cache, tables[s], n)
+                for s, n in zip(plan.seqs, plan.seq_lens)]
+
+
+def fake_backend(rule=None, **broken):
+    return KernelBackend("fake", FakeAttention(**broken), FakeGather(),
+                         rule or (lambda cu, lens, g: None))
+
+
+@pytest.fixture(autouse=True)
+def fresh_verdicts(monkeypatch):
+    monkeypatch.setattr(dispatch, "_VERDICTS", {})
+
+
+def run(dispatcher, q_lens=(5, 1), ctx=(13, 30)):
+    c = PagedCase(list(q_lens), list(ctx), 8, 2, 64, 16, mx.float16, seed=0)
+    meta = build_attention_metadata(list(q_lens), list(ctx), c.pages, 16, c.num_blocks)
+    out = dispatcher.plan(meta, GEOMETRY)(c.q, c.k_new, c.v_new, c.k_cache, c.v_cache)
+    assert_close(out, c.oracle(0.125), mx.float16)
+    return dispatcher.last
 
 
 def test_forced_reference_runs_and_is_counted():
-    d = Dispatcher("reference")
-    out, ref = call(d)
-    assert d.last.path == "reference" and d.counts == {"reference": 1}
-    np.testing.assert_array_equal(np.array(out), np.array(ref))
+    d = Dispatcher("reference", backends={})
+    assert run(d).path == "reference" and d.counts == {"reference": 1}
 
 
 @pytest.mark.skipif(HAS_CUDA or HAS_METAL, reason="a GPU backend is present")
-def test_auto_on_cpu_takes_reference_and_says_why(caplog):
+def test_auto_on_cpu_takes_sdpa_and_says_why(caplog):
     d = Dispatcher("auto")
     with caplog.at_level(logging.INFO, logger="paged_prefix.dispatch"):
-        call(d)
-        call(d)
-    assert d.last.path == "reference"
-    assert "no GPU kernel backend" in d.last.reason
-    logged = [r for r in caplog.records if "paged attention: reference" in r.getMessage()]
-    assert len(logged) == 1  # once per distinct case, not per call
+        run(d)
+        run(d)
+    assert d.last.path == "sdpa" and "no GPU kernel backend" in d.last.reason
+    logged = [r for r in caplog.records if "paged attention: sdpa" in r.getMessage()]
+    assert len(logged) == 1  # once per distinct case, not per forward
+
+
+def test_auto_takes_the_kernel_when_it_supports_the_call():
+    backend = fake_backend()
+    d = Dispatcher("auto", backends={"fake": backend}, strict=True)
+    assert run(d).path == "fake" and d.counts == {"fake": 1}
+    assert backend.attention.calls == 2  # the canary, then the call
+
+
+def test_auto_follows_the_backends_rule_and_support():
+    rule = fake_backend(rule=lambda cu, lens, g: "measured faster")
+    choice = run(Dispatcher("auto", backends={"fake": rule}, strict=True))
+    assert (choice.path, choice.reason, choice.backend) == ("sdpa", "measured faster", "fake")
+    d = Dispatcher("auto", backends={"fake": fake_backend()}, strict=True)
+    c = PagedCase([3], [20], 8, 2, 128, 16, mx.float16)
+    meta = build_attention_metadata([3], [20], c.pages, 16, c.num_blocks)
+    d.plan(meta, Geometry(8, 2, 128, 16, mx.float16, 0.125))
+    assert d.last.path == "sdpa" and "head_dim 128" in d.last.reason
+
+
+@pytest.mark.parametrize("broken", [dict(error=0.02), dict(fails=True)],
+                         ids=["wrong-numbers", "compile-error"])
+def test_canary_falls_back_to_the_reference_with_a_logged_reason(broken, caplog):
+    backend = fake_backend(**broken)
+    d = Dispatcher("auto", backends={"fake": backend}, strict=False)
+    with caplog.at_level(logging.WARNING, logger="paged_prefix.dispatch"):
+        first = run(d)
+        run(d)
+    assert first.path == "reference" and "first-use check" in first.reason
+    assert d.counts == {"reference": 2}
+    warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert len(warnings) == 1 and "dtype=float16 head_dim=64 group=4 block=16" in warnings[0]
+    assert backend.attention.calls == 1  # checked once per process, never run after
+
+
+@pytest.mark.parametrize("path", ["auto", "fake"])
+def test_canary_failure_raises_when_strict_or_forced(path):
+    d = Dispatcher(path, backends={"fake": fake_backend(error=0.02)}, strict=path == "auto")
+    with pytest.raises(RuntimeError, match="first-use check"):
+        run(d)
 
 
 @pytest.mark.parametrize("path", ["cuda", "metal"])
 def test_forcing_a_missing_backend_raises(path):
-    if (path == "cuda" and HAS_CUDA) or (path == "metal" and HAS_METAL):
-        pytest.skip(f"{path} is present here")
     with pytest.raises(ValueError, match=ENV_VAR):
-        call(Dispatcher(path))
+        run(Dispatcher(path, backends={}))
 
 
 def test_env_var_override_and_bad_value(monkeypatch):
@@ -52,3 +140,26 @@ def test_env_var_override_and_bad_value(monkeypatch):
     monkeypatch.setenv(ENV_VAR, "flash")
     with pytest.raises(ValueError, match=ENV_VAR):
         Dispatcher()
+
+
+def test_plan_refuses_a_geometry_for_another_block_size():
+    meta = build_attention_metadata([3], [20], [[1, 2]], 16, 4)
+    with pytest.raises(ValueError, match="block size"):
+        Dispatcher("reference", backends={}).plan(meta, Geometry(8, 2, 64, 32, mx.float16, 0.1))
+
+
+def test_geometry_checks_its_fields():
+    with pytest.raises(ValueError, match="num_heads"):
+        Geometry(6, 4, 64, 16, mx.float16, 0.1)
+    with pytest.raises(ValueError, match="head_dim"):
+        Geometry(8, 2, 64.0, 16, mx.float16, 0.1)
+
+
+def test_the_dense_oracle_sees_the_fake_error():
+    """The fake's 2% error is real: the per-element check catches it on its own."""
+    c = PagedCase([5, 1], [13, 30], 8, 2, 64, 16, mx.float16)
+    out = FakeAttention(error=0.02)(c.q, c.k_cache, c.v_cache, c.block_tables,
+                                    (c.cu_seqlens_q, c.seq_lens, 0.125))
+    with pytest.raises(AssertionError):
+        assert_close(out, c.oracle(0.125), mx.float16)
+    assert np.isfinite(np.array(out.astype(mx.float32))).all()

@@ -1,13 +1,14 @@
-"""JIT paged-attention kernels (CUDA, Metal) against the float32 dense oracle.
+"""JIT paged-attention and page-gather kernels against the float64 oracle, per element.
 
-Tolerance: relative Frobenius error ||out - oracle|| / ||oracle|| against
-`reference.dense_attention` computed in float32 from contiguous K/V (never from the cache).
-The kernels round P to the operand dtype before P @ V, so bf16 (8-bit mantissa) lands at
-~3e-3 and fp16 (11-bit) at ~5e-4; the bounds below leave ~4x headroom.
+Backends: "cuda" and "metal" where MLX has that device (gpu-marked), and "metal-emulated":
+the exact Metal sources MLX would compile, run on the CPU by `tests/metal_emu` (marked
+`emulated`: its own nox session). Every case uses `PagedCase`: pages shuffled across a cache
+whose unowned pages and block-table padding are NaN, outputs never pre-zeroed, so a kernel
+that reads a wrong page, reads through padding or skips a row fails.
 
-Poison: cache blocks no sequence owns and the slots past each sequence's end hold NaN, and
-outputs are never pre-zeroed, so a kernel that reads past a sequence or skips a row fails.
-The CPU tests check the shared planner (schedule.py) by emulating its work list in numpy.
+Tolerance: per element, |out - oracle| <= atol + rtol |oracle| with the dtype's pair from
+conftest (the kernels round P to the operand type before P @ V, and the output).
+The CPU-only tests check the shared planner (plan.py) by emulating its work list in numpy.
 """
 
 from __future__ import annotations
@@ -16,102 +17,67 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-import reference
-from jit_kernels import available_backends, schedule
-from paged_prefix.dispatch import Dispatcher
-from paged_prefix.metadata import build_attention_metadata
-from tests.conftest import KERNEL_PATHS as BACKENDS  # "cuda", "metal": gpu-marked, skipped if absent
+from jit_kernels import available_backends, cuda_backend, metal_backend, rules
+from jit_kernels import plan as tile_plan
+from jit_kernels.contiguous_sdpa import plan_sdpa, sdpa_attention
+from jit_kernels.support import Geometry
+from tests.conftest import HAS_CUDA, HAS_METAL, PagedCase, assert_close, oracle64
 
-TOL = {mx.float16: 2e-3, mx.bfloat16: 1.5e-2}
+try:
+    from tests.metal_emu import metal_kernel as emulated_metal_kernel
+except ImportError:  # the emulation needs g++
+    emulated_metal_kernel = None
 
-
-def make_case(q_lens, ctx_lens, num_heads, num_kv_heads, head_dim, block_size, dtype,
-              seed=0, num_blocks=None, high_blocks=False):
-    """Random q and paged K/V on shuffled pages, plus each sequence's contiguous K/V.
-
-    Returns q [T,H,D], k_cache, v_cache [num_blocks, block_size, Hkv, D], meta, ks, vs
-    (ks[s], vs[s]: [seq_len_s, Hkv, D]). high_blocks puts the pages at the top of the cache.
-    """
-    rng = np.random.default_rng(seed)
-    seq_lens = [c + q for q, c in zip(q_lens, ctx_lens)]
-    needed = [-(-n // block_size) for n in seq_lens]
-    num_blocks = num_blocks or 2 * sum(needed) + 3
-    pool = np.arange(num_blocks - sum(needed), num_blocks) if high_blocks else np.arange(num_blocks)
-    ids = rng.permutation(pool)[: sum(needed)]
-    tables = np.split(ids, np.cumsum(needed)[:-1])
-    shape = (num_blocks * block_size, num_kv_heads, head_dim)
-    k_flat = mx.full(shape, float("nan"), dtype=dtype)  # poison: unowned slots
-    v_flat = mx.full(shape, float("nan"), dtype=dtype)
-    ks, vs = [], []
-    for s, n in enumerate(seq_lens):
-        k = mx.array(rng.standard_normal((n, num_kv_heads, head_dim)), dtype=dtype)
-        v = mx.array(rng.standard_normal((n, num_kv_heads, head_dim)), dtype=dtype)
-        pos = np.arange(n)
-        slots = mx.array(tables[s][pos // block_size].astype(np.int64) * block_size
-                         + pos % block_size)
-        k_flat[slots] = k
-        v_flat[slots] = v
-        ks.append(k)
-        vs.append(v)
-    q = mx.array(rng.standard_normal((sum(q_lens), num_heads, head_dim)) * 1.5, dtype=dtype)
-    meta = build_attention_metadata(q_lens, ctx_lens, [t.tolist() for t in tables],
-                                    block_size, num_blocks)
-    cache_shape = (num_blocks, block_size, num_kv_heads, head_dim)
-    return q, k_flat.reshape(cache_shape), v_flat.reshape(cache_shape), meta, ks, vs
+BACKENDS = [
+    pytest.param("cuda", marks=[pytest.mark.gpu,
+                                pytest.mark.skipif(not HAS_CUDA, reason="no CUDA backend")]),
+    pytest.param("metal", marks=[pytest.mark.gpu,
+                                 pytest.mark.skipif(not HAS_METAL, reason="no Metal backend")]),
+    pytest.param("metal-emulated", marks=[
+        pytest.mark.emulated,
+        pytest.mark.skipif(emulated_metal_kernel is None, reason="no Metal emulation")]),
+]
+HEAD_DIMS = {"cuda": (64, 128), "metal": (64, 96, 128, 256), "metal-emulated": (64, 96, 128, 256)}
 
 
-def oracle(q, meta, ks, vs, scale):
-    cu = meta.cu_seqlens_q_host
-    outs = [reference.dense_attention(q[cu[s]:cu[s + 1]].astype(mx.float32),
-                                      ks[s].astype(mx.float32), vs[s].astype(mx.float32),
-                                      scale, int(meta.context_lens_host[s]))
-            for s in range(meta.num_seqs)]
-    return mx.concatenate(outs, axis=0)
-
-
-def rel_err(out, ref) -> float:
-    diff = (out.astype(mx.float32) - ref).square().sum()
-    return float(mx.sqrt(diff / ref.square().sum()).item())
+def get_backend(name):
+    if name == "metal-emulated":
+        return metal_backend(emulated_metal_kernel)
+    return available_backends()[name]
 
 
 @pytest.fixture(params=[64, 128], ids=["m64", "m128"])
 def block_m(request, monkeypatch):
     """Forces the CUDA kernel's 64- or 128-row tile variant (its own rule picks by size)."""
-    if mx.cuda.is_available():
-        from jit_kernels import cuda_paged_attention
+    from jit_kernels import cuda_paged_attention
 
-        threshold = 0 if request.param == 128 else 10**9
-        monkeypatch.setattr(cuda_paged_attention, "MIN_TILES_FOR_BLOCK_M_128", threshold)
+    threshold = 0 if request.param == 128 else 10**9
+    monkeypatch.setattr(cuda_paged_attention, "MIN_TILES_FOR_BLOCK_M_128", threshold)
     return request.param
 
 
-def check_backend(backend, q_lens, ctx_lens, num_heads=16, num_kv_heads=4, head_dim=128,
-                  block_size=16, dtype=mx.bfloat16, block_m=None, **kw):
-    if block_m == 128 and backend != "cuda":
+def check(backend_name, q_lens, ctx_lens, num_heads=16, num_kv_heads=4, head_dim=128,
+          block_size=16, dtype=mx.bfloat16, block_m=None, **kw):
+    if block_m == 128 and backend_name != "cuda":
         pytest.skip("128-row tiles are a CUDA variant")
-    q, k_cache, v_cache, meta, ks, vs = make_case(q_lens, ctx_lens, num_heads, num_kv_heads,
-                                                  head_dim, block_size, dtype, **kw)
-    scale = head_dim ** -0.5
-    kernel = available_backends()[backend]
-    assert kernel.unsupported_reason(q, k_cache, meta) is None
-    out = kernel.paged_attention(q, k_cache, v_cache, meta, scale)
-    want = oracle(q, meta, ks, vs, scale)
-    assert out.shape == q.shape and out.dtype == q.dtype
-    assert not mx.isnan(out).any().item(), "NaN in the output: poisoned slot read?"
-    err = rel_err(out, want)
-    assert err < TOL[dtype], f"kernel vs float32 oracle: {err:.2e}"
-    if "high_blocks" not in kw:  # the gather reference copies whole caches; skip the big one
-        ref_err = rel_err(out, reference.paged_attention(q, k_cache, v_cache, meta,
-                                                         scale).astype(mx.float32))
-        assert ref_err < TOL[dtype], f"kernel vs reference.paged_attention: {ref_err:.2e}"
-    return out
+    if head_dim not in HEAD_DIMS[backend_name]:
+        pytest.skip(f"{backend_name} has no head_dim {head_dim} variant")
+    c = PagedCase(q_lens, ctx_lens, num_heads, num_kv_heads, head_dim, block_size, dtype, **kw)
+    g = Geometry(num_heads, num_kv_heads, head_dim, block_size, dtype, head_dim ** -0.5)
+    backend = get_backend(backend_name)
+    assert backend.attention.unsupported_reason(g) is None
+    plan = backend.attention.plan(c.cu_seqlens_q, c.seq_lens, g)
+    out = backend.attention(c.q, c.k_cache, c.v_cache, c.block_tables, plan)
+    assert out.shape == c.q.shape and out.dtype == dtype
+    assert_close(out, c.oracle(g.scale), dtype, f"{backend_name} q={q_lens} ctx={ctx_lens}")
+    return plan
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("q_len,ctx", [(5, 13), (129, 334), (1, 998), (64, 0), (16, 4080),
                                        (512, 3584), (17, 15), (37, 16), (127, 17)])
 def test_single_sequence(backend, q_len, ctx, block_m):
-    check_backend(backend, [q_len], [ctx], block_m=block_m)
+    check(backend, [q_len], [ctx], block_m=block_m)
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
@@ -121,103 +87,140 @@ def test_single_sequence(backend, q_len, ctx, block_m):
     ([64, 1, 16, 300, 2, 1, 8, 700], [0, 2000, 4080, 16, 47, 1, 1023, 300]),  # mixed hits
 ])
 def test_batches(backend, q_lens, ctx_lens, block_m):
-    check_backend(backend, q_lens, ctx_lens, block_m=block_m)
+    check(backend, q_lens, ctx_lens, block_m=block_m)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_more_than_32_splits(backend):
+    """C=4096, Lq=16 at H=32, Hkv=8: the merge's second chunk of 32 splits (and more)."""
+    plan = check(backend, [16], [4096], num_heads=32, num_kv_heads=8, block_m=64)
+    assert int(plan.tiles.work_host[:, tile_plan.NUM_SPLITS].max()) > 32
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("group", [3, 6])
 def test_group_not_dividing_tile(backend, group, block_m):
     # 64 // 6 = 10 tokens per tile: the last 4 rows of every tile are padding
-    check_backend(backend, [45, 1, 7], [20, 99, 300], num_heads=2 * group, num_kv_heads=2,
-                  head_dim=64, block_m=block_m)
+    check(backend, [45, 1, 7], [20, 99, 300], num_heads=2 * group, num_kv_heads=2,
+          head_dim=64, block_m=block_m)
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
-@pytest.mark.parametrize("dtype", [mx.float16, mx.bfloat16])
-@pytest.mark.parametrize("head_dim", [64, 128])
-@pytest.mark.parametrize("group", [1, 4, 8])
+@pytest.mark.parametrize("dtype", [mx.float16, mx.bfloat16], ids=["fp16", "bf16"])
+@pytest.mark.parametrize("head_dim", [64, 96, 128, 256])
+@pytest.mark.parametrize("group", [1, 3, 4, 8])
 @pytest.mark.parametrize("block_size", [8, 16, 32])
-def test_variants(backend, dtype, head_dim, group, block_size, block_m):
-    check_backend(backend, [5, 1, 70, 1], [block_size - 1, block_size, block_size + 1, 300],
-                  num_heads=2 * group, num_kv_heads=2, head_dim=head_dim,
-                  block_size=block_size, dtype=dtype, seed=group + block_size, block_m=block_m)
+def test_variants(backend, dtype, head_dim, group, block_size):
+    check(backend, [5, 1, 70, 1], [block_size - 1, block_size, block_size + 1, 300],
+          num_heads=2 * group, num_kv_heads=2, head_dim=head_dim, block_size=block_size,
+          dtype=dtype, seed=group + block_size)
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
+def test_large_scores(backend):
+    """|scale q.k| up to ~150: the kernels keep scores and softmax in fp32."""
+    check(backend, [9, 1, 30], [40, 70, 0], num_heads=8, num_kv_heads=2, head_dim=64,
+          dtype=mx.float16, q_scale=40.0)
+
+
+@pytest.mark.parametrize("backend", [p for p in BACKENDS if p.values[0] != "metal-emulated"])
 def test_big_cache_64bit_offsets(backend):
     # 66k blocks x 32 x 8 x 128 = 2.16e9 elements per cache: page offsets pass 2**31
-    check_backend(backend, [40, 1], [300, 77], num_heads=32, num_kv_heads=8, block_size=32,
-                  num_blocks=66_000, high_blocks=True)
+    check(backend, [40, 1], [300, 77], num_heads=32, num_kv_heads=8, block_size=32,
+          num_blocks=66_000, high_blocks=True)
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
-def test_dispatcher_engages_kernel(backend):
-    q, k_cache, v_cache, meta, ks, vs = make_case([33, 1], [100, 50], 8, 2, 64, 16, mx.float16)
-    dispatch = Dispatcher(path=backend)
-    out = dispatch(q, k_cache, v_cache, meta, 0.125)
-    assert dispatch.last.path == backend and dispatch.counts == {backend: 1}
-    assert rel_err(out, oracle(q, meta, ks, vs, 0.125)) < TOL[mx.float16]
+@pytest.mark.parametrize("dtype", [mx.float16, mx.bfloat16, mx.float32], ids=["fp16", "bf16", "fp32"])
+@pytest.mark.parametrize("block_size", [8, 16, 32])
+def test_page_gather_is_an_exact_copy(backend, dtype, block_size):
+    """The gather kernel through the sdpa path equals MLX's take bit for bit."""
+    c = PagedCase([5, 1, 70, 9], [block_size - 1, 300, 0, 2 * block_size], 8, 2, 64, block_size,
+                  dtype, seed=block_size)
+    g = Geometry(8, 2, 64, block_size, dtype, 0.125)
+    plan = plan_sdpa(c.cu_seqlens_q, c.seq_lens, g)
+    assert plan.gather.seqs == (0, 1, 3)  # the sequence with no cached prefix is not copied
+    gathered = get_backend(backend).gather(c.k_cache, c.v_cache, c.block_tables, plan.gather)
+    for s, (k, v) in zip(plan.gather.seqs, gathered):
+        np.testing.assert_array_equal(np.array(k), np.array(c.k_seqs[s].transpose(1, 0, 2)))
+        np.testing.assert_array_equal(np.array(v), np.array(c.v_seqs[s].transpose(1, 0, 2)))
+    out = sdpa_attention(c.q, c.k_new, c.v_new, c.k_cache, c.v_cache, c.block_tables, plan,
+                         get_backend(backend).gather)
+    assert_close(out, c.oracle(0.125), dtype)
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
-@pytest.mark.parametrize("kw,match", [
+@pytest.mark.parametrize("change, match", [
     (dict(dtype=mx.float32), "dtype"),
     (dict(head_dim=80), "head_dim"),
     (dict(num_heads=32, num_kv_heads=2), "group"),
     (dict(block_size=64), "block size"),
 ])
-def test_unsupported_input_raises(backend, kw, match):
-    args = dict(num_heads=8, num_kv_heads=2, head_dim=64, block_size=16, dtype=mx.float16) | kw
-    q, k_cache, v_cache, meta, _, _ = make_case([3], [5], **args)
-    kernel = available_backends()[backend]
-    assert match in kernel.unsupported_reason(q, k_cache, meta)
+def test_unsupported_geometry_raises(backend, change, match):
+    args = dict(num_heads=8, num_kv_heads=2, head_dim=64, block_size=16, dtype=mx.float16,
+                scale=0.125) | change
+    g = Geometry(**args)
+    kernel = get_backend(backend).attention
+    assert match in kernel.unsupported_reason(g)
     with pytest.raises(ValueError, match=match):
-        kernel.paged_attention(q, k_cache, v_cache, meta, 0.125)
-    with pytest.raises(ValueError, match=match):
-        Dispatcher(path=backend)(q, k_cache, v_cache, meta, 0.125)
+        kernel.plan(np.array([0, 3]), np.array([8]), g)
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_contract_violations_raise(backend):
-    q, k_cache, v_cache, meta, _, _ = make_case([3, 1], [5, 9], 8, 2, 64, 16, mx.float16)
-    kernel = available_backends()[backend]
+    c = PagedCase([3, 1], [5, 9], 8, 2, 64, 16, mx.float16)
+    g = Geometry(8, 2, 64, 16, mx.float16, 0.125)
+    kernel = get_backend(backend).attention
+    plan = kernel.plan(c.cu_seqlens_q, c.seq_lens, g)
     with pytest.raises(ValueError, match="q:"):
-        kernel.paged_attention(q[:-1], k_cache, v_cache, meta, 0.125)
+        kernel(c.q[:-1], c.k_cache, c.v_cache, c.block_tables, plan)
     with pytest.raises(ValueError, match="v_cache"):
-        kernel.paged_attention(q, k_cache, v_cache[:, :8], meta, 0.125)
+        kernel(c.q, c.k_cache, c.v_cache[:, :8], c.block_tables, plan)
     with pytest.raises(ValueError, match="dtype"):
-        kernel.paged_attention(q, k_cache, v_cache.astype(mx.bfloat16), meta, 0.125)
+        kernel(c.q, c.k_cache, c.v_cache.astype(mx.bfloat16), c.block_tables, plan)
+    with pytest.raises(ValueError, match="plan"):
+        kernel(c.q, c.k_cache[:, :, :1], c.v_cache[:, :, :1], c.block_tables, plan)
 
 
-def emulate_plan(q, meta, ks, vs, scale, group, plan, block_m):
-    """The kernel's algorithm in numpy over a plan's work list: per-item partials, then merge."""
-    head_dim = q.shape[2]
-    qn = np.array(q.astype(mx.float32))
-    slots = max(plan.num_slots, 1)
-    o_part = np.zeros((slots, block_m, head_dim), np.float32)
-    lse_part = np.full((slots, block_m), -np.inf, np.float32)
-    out = np.full(qn.shape, np.nan, np.float32)
-    for seq, tok0, ntok, pos0, kvh, start, end, slot in plan.work_host:
+def merge_oracle(o_part, lse_part, tiles, out, group):
+    """Log-sum-exp merge of split partials in numpy (the merge's oracle): o_part [slots, rows,
+    D] normalised per split, lse_part [slots, rows] in log2 units (-inf: the split saw no key)."""
+    for tok0, ntok, kvh, first, nsplit in tiles.merge_host:
+        if first < 0:
+            continue
+        rows = np.arange(ntok * group)
+        lse = lse_part[first:first + nsplit][:, rows]  # [splits, rows]
+        top = lse.max(axis=0)
+        w = np.exp2(lse - np.where(np.isinf(top), 0, top))
+        o = (w[..., None] * o_part[first:first + nsplit][:, rows]).sum(axis=0)
+        out[tok0 + rows // group, kvh * group + rows % group] = o / w.sum(axis=0)[:, None]
+    return out
+
+
+def emulate_plan(c: PagedCase, scale, group, tiles, block_m):
+    """The kernels' algorithm in numpy over a plan's work list: per-item partials, then merge."""
+    qn = np.array(c.q.astype(mx.float32)).astype(np.float64)
+    o_part = np.zeros((max(tiles.num_slots, 1), block_m, qn.shape[2]))
+    lse_part = np.full((max(tiles.num_slots, 1), block_m), -np.inf)
+    out = np.full(qn.shape, np.nan)
+    for seq, tok0, ntok, pos0, kvh, start, end, slot, *_ in tiles.work_host:
         rows = np.arange(ntok * group)
         tok, head = tok0 + rows // group, kvh * group + rows % group
-        k = np.array(ks[seq][start:end, kvh].astype(mx.float32))
-        v = np.array(vs[seq][start:end, kvh].astype(mx.float32))
+        k = np.array(c.k_seqs[seq][start:end, kvh].astype(mx.float32)).astype(np.float64)
+        v = np.array(c.v_seqs[seq][start:end, kvh].astype(mx.float32)).astype(np.float64)
         s = qn[tok, head] @ k.T * scale
         s[np.arange(start, end)[None, :] > (pos0 + rows // group)[:, None]] = -np.inf
         top = s.max(axis=1, keepdims=True)
         p = np.exp(s - np.where(np.isinf(top), 0, top))
         total = p.sum(axis=1, keepdims=True)
-        o = np.where(total > 0, p @ v / np.maximum(total, 1e-30), 0)
+        o = np.where(total > 0, p @ v / np.maximum(total, 1e-300), 0)
         if slot < 0:
             out[tok, head] = o
         else:
             o_part[slot, rows] = o
             lse_part[slot, rows] = np.where(total[:, 0] > 0,
                                             (top[:, 0] + np.log(total[:, 0])) / np.log(2), -np.inf)
-    if plan.merge is None:
-        return mx.array(out)
-    return schedule.merge_partials(mx.array(o_part), mx.array(lse_part), plan, q.shape,
-                                   mx.float32, group)
+    return out if tiles.merge is None else merge_oracle(o_part, lse_part, tiles, out, group)
 
 
 @pytest.mark.parametrize("q_lens,ctx_lens,group,num_sms", [
@@ -226,30 +229,42 @@ def emulate_plan(q, meta, ks, vs, scale, group, plan, block_m):
     ([5, 1, 37], [13, 60, 0], 1, 132),     # mixed; splits where kv is long enough
     ([9, 1], [40, 3], 3, 132),             # 16 // 3 = 5 tokens a tile: one padding row
     ([200, 3], [64, 7], 4, 1),             # enough tiles for 1 SM: no split
+    ([2, 40], [600, 0], 2, 16),            # long tiles split, the others not
 ])
-def test_schedule_emulated(q_lens, ctx_lens, group, num_sms):
-    """The shared planner covers every row once and every visible key once (CPU-only)."""
+def test_plan_covers_every_row_and_key_once(q_lens, ctx_lens, group, num_sms):
+    """The shared planner (CPU-only): emulating its work list reproduces the oracle."""
     block_m, block_n = 16, 16
-    with mx.stream(mx.cpu):  # exact float32 (CUDA matmuls may use TF32)
-        q, _, _, meta, ks, vs = make_case(q_lens, ctx_lens, 2 * group, 2, 8, 8, mx.float32)
-        plan = schedule.build_tile_plan(meta, group, 2, block_m, block_n, num_sms=num_sms)
-        assert (plan.num_slots > 0) == (num_sms > 1)
-        work = plan.work_host
-        assert (work[:, schedule.KV_START] % block_n == 0).all()
-        assert (work[:, schedule.KV_START] < work[:, schedule.KV_END]).all()
-        got = emulate_plan(q, meta, ks, vs, 0.3, group, plan, block_m)
-        assert rel_err(got, oracle(q, meta, ks, vs, 0.3)) < 1e-5
+    c = PagedCase(q_lens, ctx_lens, 2 * group, 2, 8, 8, mx.float32)
+    tiles = tile_plan.build_tile_plan(c.cu_seqlens_q, c.seq_lens, group, 2, block_m, block_n,
+                                      num_sms=num_sms)
+    assert (tiles.num_slots > 0) == (num_sms > 1)
+    work = tiles.work_host
+    assert (work[:, tile_plan.KV_START] % block_n == 0).all()
+    assert (work[:, tile_plan.KV_START] < work[:, tile_plan.KV_END]).all()
+    split = work[:, tile_plan.NUM_SPLITS] > 1
+    assert ((work[:, tile_plan.SLOT] >= 0) == split).all()
+    assert sorted(work[split, tile_plan.SLOT]) == list(range(tiles.num_slots))
+    got = emulate_plan(c, 0.3, group, tiles, block_m)
+    np.testing.assert_allclose(got, oracle64(c.q, c.k_seqs, c.v_seqs, c.cu_seqlens_q, 0.3),
+                               rtol=1e-9, atol=1e-12)
 
 
-@pytest.mark.parametrize("q_lens,ctx_lens,reference_wins", [
-    ([4096], [0], True), ([1024], [4096], True), ([2048, 4096], [16384, 0], True),
-    ([512], [16384], True), ([512], [4096], False), ([2048], [0], False),
-    ([64], [65536], False), ([1024, 1], [8192, 50], False),
+@pytest.mark.parametrize("q_lens,ctx_lens,sdpa", [
+    ([4096], [0], True), ([64, 9], [0, 0], True), ([1024], [4096], True),
+    ([2048, 4096], [16384, 0], True), ([512], [16384], True), ([512], [4096], False),
+    ([64], [65536], False), ([1024, 1], [8192, 50], False), ([16], [4096], False),
 ])
-def test_cuda_measured_rule(q_lens, ctx_lens, reference_wins):
-    """The CUDA backend's measured dispatch rule (host-only: runs anywhere)."""
-    from jit_kernels import cuda_paged_attention
+def test_cuda_measured_rule(q_lens, ctx_lens, sdpa):
+    """The CUDA backend's measured rule (host-only: runs anywhere)."""
+    cu = np.concatenate([[0], np.cumsum(q_lens)])
+    lens = np.array(q_lens) + np.array(ctx_lens)
+    g = Geometry(32, 8, 128, 16, mx.bfloat16, 128 ** -0.5)
+    assert (rules.cuda_prefers_sdpa(cu, lens, g) is not None) == sdpa
 
-    q, k_cache, _, meta, _, _ = make_case(q_lens, ctx_lens, 1, 1, 8, 16, mx.float16)
-    reason = cuda_paged_attention.reference_is_faster(q, k_cache, meta)
-    assert (reason is not None) == reference_wins
+
+def test_backends_build_without_a_device():
+    """Backends are plain objects over a kernel factory: building one compiles nothing."""
+    calls = []
+    backend = cuda_backend(lambda **kw: calls.append(kw) or (lambda **_: None))
+    assert backend.attention.unsupported_reason(Geometry(8, 2, 64, 16, mx.float16, 0.1)) is None
+    assert calls == [] and metal_backend(lambda **kw: None).name == "metal"

@@ -1,4 +1,4 @@
-"""Paged KV cache: slot writes land where the slot mapping says, in place."""
+"""Paged KV cache: slot writes land where the slot mapping says, in place, and only valid ones."""
 
 import mlx.core as mx
 import numpy as np
@@ -10,23 +10,21 @@ from tests.conftest import DTYPES
 
 @pytest.mark.parametrize("dtype", DTYPES.values(), ids=DTYPES.keys())
 @pytest.mark.parametrize("block_size", [8, 16, 32])
-def test_write_lands_in_slots_and_skips_padding(dtype, block_size):
+def test_write_lands_in_slots(dtype, block_size):
     cache = PagedKVCache(2, 6, block_size, 2, 64, dtype)
     rng = np.random.default_rng(block_size)
     slots = rng.choice(6 * block_size, size=9, replace=False)
-    slots[4] = -1  # padding row: must not be written anywhere
     k = mx.array(rng.standard_normal((9, 2, 64), dtype=np.float32)).astype(dtype)
-    cache.write(1, k, -k, mx.array(slots))
+    cache.write(1, k, -k, cache.slots(slots))
     kb, vb = cache.blocks(1)
     mx.eval(kb, vb)
     assert kb.shape == (6, block_size, 2, 64)
     flat_k = np.array(kb.reshape(-1, 2, 64).astype(mx.float32))
     flat_v = np.array(vb.reshape(-1, 2, 64).astype(mx.float32))
     expect = np.array(k.astype(mx.float32))
-    written = slots >= 0
-    np.testing.assert_array_equal(flat_k[slots[written]], expect[written])
-    np.testing.assert_array_equal(flat_v[slots[written]], -expect[written])
-    untouched = np.setdiff1d(np.arange(6 * block_size), slots[written])
+    np.testing.assert_array_equal(flat_k[slots], expect)
+    np.testing.assert_array_equal(flat_v[slots], -expect)
+    untouched = np.setdiff1d(np.arange(6 * block_size), slots)
     assert not flat_k[untouched].any() and not flat_v[untouched].any()
     assert not np.array(cache.blocks(0)[0].astype(mx.float32)).any()
 
@@ -36,12 +34,13 @@ def test_write_is_in_place_not_a_cache_copy():
     cache = PagedKVCache(1, 4096, 16, 8, 64, mx.float16)  # 64 MiB per K and per V
     rng = np.random.default_rng(0)
     k = mx.array(rng.standard_normal((64, 8, 64), dtype=np.float32)).astype(mx.float16)
-    slots = mx.array(rng.choice(4096 * 16, size=64, replace=False))
-    mx.eval(k, slots)
+    slots = cache.slots(rng.choice(4096 * 16, size=64, replace=False))
+    mx.eval(k)
     growth = []
     for _ in range(3):
-        mx.reset_peak_memory()
+        mx.eval(cache.arrays())
         base = mx.get_active_memory()
+        mx.reset_peak_memory()
         cache.write(0, k, k, slots)
         kb, vb = cache.blocks(0)
         mx.eval(kb, vb)
@@ -53,8 +52,45 @@ def test_write_is_in_place_not_a_cache_copy():
         f"one cache array is {cache.nbytes // 2}")
 
 
+def test_restore_drops_pending_writes():
+    cache = PagedKVCache(1, 4, 16, 2, 64, mx.float32)
+    snapshot = cache.snapshot()
+    cache.write(0, mx.ones((3, 2, 64)), mx.ones((3, 2, 64)), cache.slots(np.array([0, 5, 9])))
+    cache.restore(snapshot)
+    assert not np.array(cache.blocks(0)[0]).any()
+
+
+@pytest.mark.parametrize("slots, match", [
+    ([10**6], "slot_mapping"),       # past the cache: used to kill the process
+    ([-5], "slot_mapping"),          # negative: used to be taken as padding
+    ([-1], "slot_mapping"),          # no padding convention any more
+    ([3, 3], "twice"),
+    ([1.5], "slot_mapping"),
+])
+def test_bad_slots_are_refused(slots, match):
+    cache = PagedKVCache(1, 4, 16, 2, 64)
+    with pytest.raises(ValueError, match=match):
+        cache.slots(np.array(slots))
+
+
+def test_write_checks_its_arguments():
+    cache = PagedKVCache(2, 4, 16, 2, 64)
+    other = PagedKVCache(2, 4, 16, 2, 64)
+    slots = cache.slots(np.array([1, 2]))
+    kv = mx.zeros((2, 2, 64), mx.float16)
+    with pytest.raises(ValueError, match="slots"):
+        cache.write(0, kv, kv, other.slots(np.array([1, 2])))
+    with pytest.raises(ValueError, match="slots"):
+        cache.write(0, kv, kv, mx.array([1, 2]))
+    with pytest.raises(ValueError, match="keys, values"):
+        cache.write(0, kv[:1], kv[:1], slots)
+    with pytest.raises(ValueError, match="layer"):
+        cache.write(2, kv, kv, slots)
+
+
 @pytest.mark.parametrize("field, value", [("num_blocks", 0), ("block_size", -1),
-                                          ("head_dim", 0), ("num_kv_heads", 0)])
+                                          ("head_dim", 0), ("num_kv_heads", 0),
+                                          ("num_blocks", 2.5)])
 def test_bad_geometry_names_field(field, value):
     args = dict(num_layers=1, num_blocks=4, block_size=16, num_kv_heads=2, head_dim=64)
     args[field] = value

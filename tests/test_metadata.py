@@ -8,8 +8,9 @@ from paged_prefix.metadata import ScheduledRequest, build_attention_metadata, bu
 BS = 16
 
 
-def req(req_id="r", n=40, prompt=None, computed=0, scheduled=None, blocks=(3, 1, 7)):
-    return ScheduledRequest(req_id, list(range(100, 100 + n)), prompt or n, computed,
+def req(req_id="r", n=40, prompt=None, computed=0, scheduled=None, blocks=(3, 1, 7), tokens=None):
+    return ScheduledRequest(req_id, tokens if tokens is not None else list(range(100, 100 + n)),
+                            prompt or n, computed,
                             scheduled if scheduled is not None else n - computed, list(blocks))
 
 
@@ -37,12 +38,22 @@ def test_packed_batch_and_sampling_rows():
     assert meta.slot_mapping.tolist()[-1] == 0 * BS + 4  # position 20: block 0, offset 4
 
 
+def test_resumed_request_samples_only_after_its_last_known_token():
+    """Defect 1: a preempted request re-prefills prompt + outputs; a chunk that ends past the
+    prompt but before the last known token must not sample (vLLM discards such samples)."""
+    resumed = ScheduledRequest("a", list(range(100, 130)), 20, 0, 24, [0, 1])
+    assert build_batch_metadata([resumed], BS, 4).sample_req_ids == ()
+    last = ScheduledRequest("a", list(range(100, 130)), 20, 24, 6, [0, 1])
+    assert build_batch_metadata([last], BS, 4).sample_req_ids == ("a",)
+
+
 def test_metadata_is_frozen_and_host_mirrors_read_only():
     meta = build_batch_metadata([req()], BS, 8)
     with pytest.raises(AttributeError):
         meta.input_ids = None
-    with pytest.raises(ValueError):
-        meta.attn.seq_lens_host[0] = 1
+    for host in (meta.attn.seq_lens_host, meta.slot_mapping_host, meta.input_ids_host):
+        with pytest.raises(ValueError):
+            host[0] = 1
 
 
 @pytest.mark.parametrize("bad, field", [
@@ -54,28 +65,68 @@ def test_metadata_is_frozen_and_host_mirrors_read_only():
     (dict(blocks=(3, 1)), "block_tables"),
     (dict(blocks=(3, 1, 8)), "block_tables"),
     (dict(blocks=(3, -2, 7)), "block_tables"),
+    (dict(blocks=()), "block_tables"),
+    (dict(blocks=(3, 11.7, 7)), "block_tables"),  # not truncated to 11
+    (dict(blocks=(3, 3, 7)), "block_tables"),  # the same block twice in one table
+    (dict(blocks=(3, 1, 2**70)), "block_tables"),
+    (dict(scheduled=2.5, computed=0), "num_scheduled_tokens"),
+    (dict(computed=True), "num_computed_tokens"),
+    (dict(tokens=[1.5] * 40), "token_ids"),
+    (dict(tokens=[-1] * 40), "token_ids"),
+    (dict(tokens=[2**30] * 40), "token_ids"),  # past the vocabulary of 1000
+    (dict(tokens=[2**70] * 40), "token_ids"),
+    (dict(n=0, tokens=[], scheduled=1), "num_scheduled_tokens"),  # an empty prompt
 ])
 def test_bad_request_names_field(bad, field):
     with pytest.raises(ValueError, match=field):
-        build_batch_metadata([req(**bad)], BS, 8)
+        build_batch_metadata([req(**bad)], BS, 8, vocab_size=1000)
 
 
-def test_duplicate_and_empty_batches():
+def test_bad_request_id_and_batches():
     with pytest.raises(ValueError, match="req_id"):
-        build_batch_metadata([req("a"), req("a")], BS, 8)
+        build_batch_metadata([req("a"), req("a", blocks=(2, 4, 5))], BS, 8)
+    with pytest.raises(ValueError, match="req_id"):
+        build_batch_metadata([req(None)], BS, 8)
     with pytest.raises(ValueError, match="requests"):
         build_batch_metadata([], BS, 8)
+
+
+def test_overlapping_writes_are_refused():
+    """Defect 4: two sequences writing one block, or writing a block another reads as its
+    prefix with other tokens (or at another position), is a collision, not a hit."""
+    with pytest.raises(ValueError, match="both write block 1"):
+        build_batch_metadata([req("a", blocks=(3, 1, 7)), req("b", blocks=(2, 1, 5))], BS, 8)
+    other = list(range(500, 540))
+    with pytest.raises(ValueError, match="writes other tokens"):
+        build_batch_metadata([req("a", blocks=(3, 1, 7)),
+                              req("b", computed=32, blocks=(3, 1, 5), tokens=other)], BS, 8)
+    with pytest.raises(ValueError, match="another position"):
+        build_batch_metadata([req("a", blocks=(3, 1, 7)),
+                              req("b", computed=32, blocks=(1, 3, 5))], BS, 8)
+
+
+def test_shared_prefix_blocks_stay_legal():
+    # read-only sharing, and a block written this forward by the request whose tokens it holds
+    shared = build_batch_metadata([req("a", computed=32, blocks=(3, 1, 7)),
+                                   req("b", computed=32, blocks=(3, 1, 5))], BS, 8)
+    assert shared.attn.num_seqs == 2
+    same_forward = build_batch_metadata([req("a", blocks=(3, 1, 7)),
+                                         req("b", computed=32, blocks=(3, 1, 5))], BS, 8)
+    assert same_forward.sample_req_ids == ("a", "b")
 
 
 @pytest.mark.parametrize("kwargs, field", [
     (dict(q_lens=[]), "q_lens"),
     (dict(q_lens=[0]), "q_lens"),
+    (dict(q_lens=[2.5]), "q_lens"),
     (dict(context_lens=[-3]), "context_lens"),
     (dict(context_lens=[1, 2]), "context_lens"),
     (dict(block_tables=[[1]]), "block_tables"),
     (dict(block_size=0), "block_size"),
     (dict(num_blocks=0), "num_blocks"),
-    (dict(context_lens=[2**31]), "seq_lens"),
+    (dict(num_blocks=2**40), "num_blocks"),
+    (dict(context_lens=[2**31]), "context_lens"),
+    (dict(context_lens=[2**31 - 3]), "seq_lens"),
 ])
 def test_bad_attention_geometry_names_field(kwargs, field):
     args = dict(q_lens=[5], context_lens=[20], block_tables=[[1, 2]], block_size=BS,
@@ -85,9 +136,7 @@ def test_bad_attention_geometry_names_field(kwargs, field):
         build_attention_metadata(**args)
 
 
-def test_plan_is_built_once_per_forward():
-    meta = build_attention_metadata([5], [20], [[1, 2]], BS, 4)
-    calls = []
-    for _ in range(3):
-        meta.plan("k", lambda m: calls.append(1) or np.arange(3))
-    assert calls == [1]
+def test_padding_entries_are_zero_and_tables_int32():
+    meta = build_attention_metadata([5, 1], [20, 0], [[1, 2], [3]], BS, 4)
+    assert meta.block_tables_host.dtype == np.int32
+    assert meta.block_tables_host.tolist() == [[1, 2], [3, 0]]

@@ -1,14 +1,23 @@
-"""Cached-prefix prefill through the paged runner equals a full dense prefill.
+"""Cached-prefix prefill through the paged runner against mlx-lm's own contiguous cache.
 
-The oracle is the unpatched mlx-lm model (same class, same seeded weights) running its
-own contiguous KV cache: it never touches the paged cache.
+Two oracles over the same seeded weights, both the unpatched mlx-lm model (same class):
+  * exact: mlx-lm's contiguous prompt cache fed the same split (prefix, then suffix; the same
+    chunks) with the same attention precision as the reference (fp32 scores). On the CPU paths
+    (reference, sdpa) paging adds no arithmetic, so logits must be bit-identical: a wrong RoPE
+    offset, slot or softmax scale cannot hide in a tolerance.
+  * full prefill: one forward over the whole prompt (different rounding order), compared with a
+    tolerance, and greedy continuations that must be identical.
+Kernel paths (GPU) compute attention in their own order: they are held to the tolerance only.
 """
 
 import mlx.core as mx
+import mlx.nn as nn
 import numpy as np
 import pytest
+from mlx_lm.models import llama, qwen2, qwen3
 from mlx_lm.models.cache import make_prompt_cache
 
+import reference
 from paged_prefix.dispatch import Dispatcher
 from paged_prefix.kv_cache import PagedKVCache
 from paged_prefix.metadata import ScheduledRequest, build_batch_metadata
@@ -17,41 +26,52 @@ from paged_prefix.runner import PagedModelRunner
 from tests.conftest import ATTENTION_PATHS, DTYPES, KERNEL_PATHS
 
 BS, NUM_BLOCKS, PROMPT_LEN, DECODE_STEPS = 16, 64, 70, 6
-# Logits of the whole model vs the dense oracle, (atol, rtol) by model dtype: the two
-# compute attention in different orders, and half types round every layer's activations.
+# Logits vs a full prefill, (atol, rtol) by model dtype: the two compute attention over
+# different splits, and half types round every layer's activations.
 LOGIT_TOL = {mx.float32: (1e-4, 1e-4), mx.float16: (5e-2, 2e-2), mx.bfloat16: (2e-1, 5e-2)}
-# The reference in every cache dtype; the kernels (half types only) in fp16.
-PATH_DTYPES = [pytest.param("reference", d, id=f"reference-{n}") for n, d in DTYPES.items()] + [
-    pytest.param(p.values[0], mx.float16, marks=p.marks, id=f"{p.values[0]}-fp16")
-    for p in KERNEL_PATHS
-]
+EXACT_PATHS = ("reference", "sdpa")
+PATH_DTYPES = [pytest.param(p, d, id=f"{p}-{n}") for p in EXACT_PATHS for n, d in DTYPES.items()]
+PATH_DTYPES += [pytest.param(p.values[0], mx.float16, marks=p.marks, id=f"{p.values[0]}-fp16")
+                for p in KERNEL_PATHS]
 
 
-def model_dtype(path):
-    return mx.float32 if path == "reference" else mx.float16  # kernels run half types
+@pytest.fixture(autouse=True)
+def fp32_scores_in_mlx_lm(monkeypatch):
+    """mlx-lm's SDPA with the reference's precision (fp32 scores on the CPU), so that the
+    exact oracle differs from the paged runner by paging alone."""
+    def sdpa(queries, keys, values, cache, scale, mask, sinks=None):
+        assert mask in ("causal", None) and sinks is None
+        return reference.sdpa(queries, keys, values, scale)
+    for module in (llama, qwen2, qwen3):
+        monkeypatch.setattr(module, "scaled_dot_product_attention", sdpa)
 
 
 class Harness:
-    """A paged runner and its dense oracle over the same weights, plus a block allocator."""
+    """A paged runner and its mlx-lm oracle over the same weights, plus a block allocator."""
 
-    def __init__(self, name, path, dtype=None):
+    def __init__(self, name, path, dtype=mx.float32):
         self.cfg = resolve_config(name)
-        self.dtype = dtype or model_dtype(path)
-        self.dense = build_model(self.cfg, self.dtype, seed=7)
+        self.dtype, self.exact = dtype, path in EXACT_PATHS
+        self.dense = build_model(self.cfg, dtype, seed=7)
         kv = PagedKVCache(self.cfg["num_hidden_layers"], NUM_BLOCKS, BS,
-                          self.cfg["num_key_value_heads"], self.cfg["head_dim"], self.dtype)
-        self.runner = PagedModelRunner(build_model(self.cfg, self.dtype, seed=7), kv,
-                                       Dispatcher(path))
+                          self.cfg["num_key_value_heads"], self.cfg["head_dim"], dtype)
+        self.runner = PagedModelRunner(build_model(self.cfg, dtype, seed=7), kv,
+                                       Dispatcher(path, strict=True))
         self.free = list(np.random.default_rng(3).permutation(np.arange(1, NUM_BLOCKS)))
 
     def blocks(self, n_tokens):
         return [int(self.free.pop()) for _ in range(-(-n_tokens // BS))]
 
     def step(self, *reqs):
-        meta = build_batch_metadata(list(reqs), BS, NUM_BLOCKS)
+        meta = build_batch_metadata(list(reqs), BS, NUM_BLOCKS, self.cfg["vocab_size"])
         logits = self.runner.forward(meta)
         mx.eval(logits, self.runner.kv_cache.arrays())
         return dict(zip(meta.sample_req_ids, logits))
+
+    def split_logits(self, tokens, splits):
+        """mlx-lm's contiguous cache fed tokens[a:b] for each (a, b): last-row logits of each."""
+        cache = make_prompt_cache(self.dense)
+        return [self.dense(mx.array([tokens[a:b]]), cache=cache)[0, -1] for a, b in splits]
 
     def dense_greedy(self, prompt, steps):
         """Full-prefill last-token logits and the greedy continuation of the oracle."""
@@ -63,10 +83,19 @@ class Harness:
             logits = self.dense(mx.array([[out[-1]]]), cache=cache)[0, -1]
         return first, out
 
-    def assert_logits(self, got, want):
+    def assert_same(self, got, want):
+        """Bit-identical on the exact paths, else within the full-prefill tolerance."""
+        got, want = np.array(got.astype(mx.float32)), np.array(want.astype(mx.float32))
+        if self.exact:
+            np.testing.assert_array_equal(got, want)
+        else:
+            self.assert_near(got, want)
+
+    def assert_near(self, got, want):
         atol, rtol = LOGIT_TOL[self.dtype]
-        np.testing.assert_allclose(np.array(got.astype(mx.float32)),
-                                   np.array(want.astype(mx.float32)), atol=atol, rtol=rtol)
+        np.testing.assert_allclose(np.array(mx.array(got).astype(mx.float32)),
+                                   np.array(mx.array(want).astype(mx.float32)), atol=atol,
+                                   rtol=rtol)
 
     def decode(self, req_id, tokens, blocks, prompt_len, steps):
         """Greedy decode rows through the paged runner; tokens grows in place."""
@@ -81,20 +110,22 @@ def prompt_of(seed, n=PROMPT_LEN, vocab=512):
 
 
 @pytest.mark.parametrize("path, dtype", PATH_DTYPES)
-@pytest.mark.parametrize("model", ["llama-test", "qwen3-test"])
+@pytest.mark.parametrize("model", ["llama-test", "qwen3-test", "qwen2-test"])
 @pytest.mark.parametrize("hit", [0, BS, 4 * BS, PROMPT_LEN - 1],
                          ids=["none", "1-block", "4-blocks", "all-but-last"])
-def test_cached_prefix_equals_full_prefill(model, path, dtype, hit):
+def test_cached_prefix_equals_mlx_lm(model, path, dtype, hit):
     h = Harness(model, path, dtype)
     prompt = prompt_of(hit)
     blocks = h.blocks(PROMPT_LEN + DECODE_STEPS)
     if hit:  # an earlier request (or chunk) left the prefix's K/V in these blocks
-        h.step(ScheduledRequest("warm", prompt, PROMPT_LEN, 0, hit, blocks))
+        h.step(ScheduledRequest("warm", prompt[:hit], hit, 0, hit, blocks))
     before = h.runner.stats.tokens_computed
     logits = h.step(ScheduledRequest("b", prompt, PROMPT_LEN, hit, PROMPT_LEN - hit, blocks))["b"]
     assert h.runner.stats.tokens_computed - before == PROMPT_LEN - hit  # suffix only
+    splits = [(0, hit), (hit, PROMPT_LEN)] if hit else [(0, PROMPT_LEN)]
+    h.assert_same(logits, h.split_logits(prompt, splits)[-1])
     want_logits, want_tokens = h.dense_greedy(prompt, DECODE_STEPS)
-    h.assert_logits(logits, want_logits)
+    h.assert_near(logits, want_logits)
     tokens = prompt + [int(mx.argmax(logits))]
     h.decode("b", tokens, blocks, PROMPT_LEN, DECODE_STEPS - 1)
     assert tokens[PROMPT_LEN:] == want_tokens
@@ -105,7 +136,8 @@ def test_cached_prefix_equals_full_prefill(model, path, dtype, hit):
 @pytest.mark.parametrize("path", ATTENTION_PATHS)
 @pytest.mark.parametrize("model", ["llama-test", "qwen3-test"])
 def test_mixed_batch_hits_fresh_and_decode_in_one_forward(model, path):
-    h = Harness(model, path)
+    dtype = mx.float32 if path in EXACT_PATHS else mx.float16
+    h = Harness(model, path, dtype)
     shared = prompt_of(100, 48)
     p_dec, p_hit, p_new = shared + prompt_of(1, 9), shared + prompt_of(2, 30), prompt_of(3, 41)
     b_dec, b_new = h.blocks(80), h.blocks(41)
@@ -118,17 +150,17 @@ def test_mixed_batch_hits_fresh_and_decode_in_one_forward(model, path):
         ScheduledRequest("new", p_new, 41, 0, 41, b_new),
     )
     assert h.runner.stats.tokens_computed == 57 + 1 + 30 + 41
-    dec_want = h.dense(mx.array([tokens]))[0, -1]
-    h.assert_logits(out["dec"], dec_want)
-    h.assert_logits(out["hit"], h.dense_greedy(p_hit, 0)[0])
-    h.assert_logits(out["new"], h.dense_greedy(p_new, 0)[0])
+    # packed rows go through the projections together: tolerance, not bit equality
+    h.assert_near(out["dec"], h.split_logits(tokens, [(0, 57), (57, 58)])[-1])
+    h.assert_near(out["hit"], h.split_logits(p_hit, [(0, 48), (48, 78)])[-1])
+    h.assert_near(out["new"], h.dense_greedy(p_new, 0)[0])
 
 
 @pytest.mark.parametrize("path", ATTENTION_PATHS)
 @pytest.mark.parametrize("model", ["llama-test", "qwen3-test"])
 @pytest.mark.parametrize("chunk", [17, 32])
-def test_chunked_prefill_equals_full_prefill(model, path, chunk):
-    h = Harness(model, path)
+def test_chunked_prefill_equals_mlx_lm(model, path, chunk):
+    h = Harness(model, path, mx.float32 if path in EXACT_PATHS else mx.float16)
     prompt = prompt_of(chunk, 100)
     blocks = h.blocks(100 + DECODE_STEPS)
     sampled = {}
@@ -136,16 +168,86 @@ def test_chunked_prefill_equals_full_prefill(model, path, chunk):
         n = min(chunk, 100 - start)
         sampled = h.step(ScheduledRequest("c", prompt, 100, start, n, blocks))
         assert ("c" in sampled) == (start + n == 100)  # mid-prompt chunks sample nothing
+    splits = [(a, min(a + chunk, 100)) for a in range(0, 100, chunk)]
+    h.assert_same(sampled["c"], h.split_logits(prompt, splits)[-1])
     want_logits, want_tokens = h.dense_greedy(prompt, DECODE_STEPS)
-    h.assert_logits(sampled["c"], want_logits)
+    h.assert_near(sampled["c"], want_logits)
     tokens = prompt + [int(mx.argmax(sampled["c"]))]
     h.decode("c", tokens, blocks, 100, DECODE_STEPS - 1)
     assert tokens[100:] == want_tokens
 
 
-def test_runner_rejects_mismatched_cache():
+def test_a_softmax_scale_error_is_caught():
+    """The exact comparison can fail: a 1% wrong scale in one layer changes the logits."""
+    h = Harness("llama-test", "reference", mx.bfloat16)
+    h.runner.model.layers[1].self_attn.scale *= 1.01
+    h.runner.geometry = type(h.runner.geometry)(**{**h.runner.geometry.__dict__,
+                                                   "scale": h.runner.geometry.scale * 1.01})
+    prompt = prompt_of(0)
+    logits = h.step(ScheduledRequest("b", prompt, PROMPT_LEN, 0, PROMPT_LEN, h.blocks(70)))["b"]
+    with pytest.raises(AssertionError):
+        h.assert_same(logits, h.split_logits(prompt, [(0, PROMPT_LEN)])[-1])
+
+
+def cache_state(runner):
+    return [np.array(a.astype(mx.float32)) for a in runner.kv_cache.arrays()]
+
+
+def test_failed_forward_leaves_the_cache_untouched(monkeypatch):
+    """Defect 3: every check runs before the first write, and a forward that raises while its
+    graph is built drops its pending writes."""
+    h = Harness("llama-test", "reference")
+    prompt = prompt_of(0)
+    h.step(ScheduledRequest("a", prompt, PROMPT_LEN, 0, PROMPT_LEN, h.blocks(PROMPT_LEN)))
+    before = cache_state(h.runner)
+    bad = [build_batch_metadata([ScheduledRequest("b", prompt, 70, 0, 70, list(range(1, 10)))],
+                                8, NUM_BLOCKS),  # built for block size 8 on a size-16 cache
+           build_batch_metadata([ScheduledRequest("b", prompt, 70, 0, 70, [60, 61, 62, 63, 64])],
+                                BS, NUM_BLOCKS + 1)]  # a block id past the cache
+    for meta in bad:
+        with pytest.raises(ValueError, match="block_size|num_blocks"):
+            h.runner.forward(meta)
+    layer1 = h.runner.model.layers[1].self_attn
+    monkeypatch.setattr(type(layer1), "__call__", lambda *a, **k: (_ for _ in ()).throw(
+        RuntimeError("layer 1 broke")))
+    with pytest.raises(RuntimeError, match="layer 1"):
+        h.runner.forward(build_batch_metadata(
+            [ScheduledRequest("c", prompt, 70, 0, 70, h.blocks(70))], BS, NUM_BLOCKS))
+    mx.eval(h.runner.kv_cache.arrays())
+    for a, b in zip(before, cache_state(h.runner)):
+        np.testing.assert_array_equal(a, b)
+
+
+def test_tokens_outside_the_vocabulary_are_refused():
+    h = Harness("llama-test", "reference")
+    meta = build_batch_metadata([ScheduledRequest("a", [1, 2, 512], 3, 0, 3, [1])], BS, NUM_BLOCKS)
+    with pytest.raises(ValueError, match="vocabulary"):
+        h.runner.forward(meta)
+
+
+def test_quantized_model_mid_prompt_chunk_returns_no_rows():
+    """Defect 6: nothing to sample -> an empty result, the vocabulary projection never runs
+    (on 0 rows a quantized one killed the process with SIGFPE)."""
+    cfg = resolve_config("llama-test", tie_word_embeddings=True)
+    model = build_model(cfg, mx.float16)
+    nn.quantize(model, group_size=32, bits=4)
+    runner = PagedModelRunner(model, PagedKVCache(2, 8, BS, 2, 64, mx.float16),
+                              Dispatcher("reference"))
+    meta = build_batch_metadata([ScheduledRequest("a", prompt_of(0, 40), 40, 0, 24, [1, 2, 3])],
+                                BS, 8)
+    logits = runner.forward(meta)
+    mx.eval(logits, runner.kv_cache.arrays())
+    assert logits.shape == (0, 512) and runner.greedy(build_batch_metadata(
+        [ScheduledRequest("a", prompt_of(0, 40), 40, 24, 8, [1, 2, 3])], BS, 8)) == []
+
+
+def test_runner_rejects_mismatched_cache_and_models():
     cfg = resolve_config("llama-test")
     with pytest.raises(ValueError, match="kv_cache"):
         PagedModelRunner(build_model(cfg), PagedKVCache(cfg["num_hidden_layers"], 8, BS, 3, 64))
     with pytest.raises(ValueError, match="kv_cache"):
         PagedModelRunner(build_model(cfg), PagedKVCache(1, 8, BS, 2, 64))
+    sliding = resolve_config("llama-test", layer_types=["sliding_attention", "full_attention"],
+                             sliding_window=16)
+    with pytest.raises(ValueError, match="layer_types"):
+        PagedModelRunner(build_model(sliding), PagedKVCache(2, 8, BS, 2, 64))

@@ -1,19 +1,20 @@
-"""End to end with vLLM's real v1 Scheduler: its prefix hits reach the runner, which
-computes only the uncached suffix, and the tokens equal a prefix-caching-off run."""
+"""End to end with vLLM's real v1 Scheduler: its prefix hits reach the runner, which computes
+only the uncached suffix, and every request's tokens equal the same request run alone with
+prefix caching off — under chunking, preemption (tight block pools) and aborts too."""
 
 import numpy as np
 import pytest
 
+from paged_prefix import metadata
 from paged_prefix.engine import Engine, EngineConfig
 
 BS = 16
+BASE = dict(model="llama-test", num_blocks=256, max_model_len=1024, max_num_batched_tokens=512)
 
 
 def run(prompts, caching, max_tokens=6, arrive_after_first=True, **overrides):
     """Generate greedily; the first prompt runs alone first so the rest can hit its blocks."""
-    config = dict(model="llama-test", num_blocks=256, max_model_len=1024,
-                  enable_prefix_caching=caching, max_num_batched_tokens=512)
-    engine = Engine(EngineConfig(**{**config, **overrides}))
+    engine = Engine(EngineConfig(**{**BASE, "enable_prefix_caching": caching, **overrides}))
     items = list(prompts.items())
     if arrive_after_first:
         engine.add_request(*items[0], max_tokens)
@@ -25,10 +26,23 @@ def run(prompts, caching, max_tokens=6, arrive_after_first=True, **overrides):
     return engine
 
 
-def shared_prompts(n, prefix_len=100, suffix_len=7, seed=0):
+def run_alone(prompts, max_tokens):
+    """Each request by itself, caching off: the reference every batched run must equal."""
+    engine = Engine(EngineConfig(**{**BASE, "enable_prefix_caching": False}))
+    for req_id, prompt in prompts.items():
+        engine.add_request(req_id, prompt, max_tokens)
+        engine.run_to_completion()
+    return {r: v.output_ids for r, v in engine.results.items()}
+
+
+def shared_prompts(n, prefix_len=100, suffix_len=7, seed=0, tag="r"):
     rng = np.random.default_rng(seed)
     prefix = rng.integers(3, 512, prefix_len).tolist()
-    return {f"r{i}": prefix + rng.integers(3, 512, suffix_len).tolist() for i in range(n)}
+    return {f"{tag}{i}": prefix + rng.integers(3, 512, suffix_len).tolist() for i in range(n)}
+
+
+def outputs(engine):
+    return {r: v.output_ids for r, v in engine.results.items()}
 
 
 def test_second_request_hits_and_runner_computes_only_the_suffix():
@@ -40,30 +54,92 @@ def test_second_request_hits_and_runner_computes_only_the_suffix():
     decode_rows = 2 * 5  # 6 tokens each: the first comes from prefill
     assert off.tokens_computed == 2 * 107 + decode_rows
     assert on.tokens_computed == 107 + (107 - 96) + decode_rows
-    assert {r: v.output_ids for r, v in on.results.items()} == \
-        {r: v.output_ids for r, v in off.results.items()}
+    assert outputs(on) == outputs(off)
 
 
 @pytest.mark.parametrize("budget", [48, 512], ids=["chunked", "whole"])
-def test_simultaneous_arrivals_and_chunked_prefill_match_cache_off(budget):
-    """All requests arrive together; with a small token budget prompts are chunked and
-    later requests can hit blocks an earlier one fills in the very same forward."""
-    prompts = {**shared_prompts(3, 80, 20, seed=1), **shared_prompts(2, 40, 50, seed=2)}
-    prompts = {f"{i}": p for i, p in enumerate(prompts.values())}
+def test_simultaneous_arrivals_and_chunked_prefill_match_cache_off(budget, monkeypatch):
+    """All requests arrive together; with a small token budget prompts are chunked. The
+    scheduler registers a block's hash when it allocates it, so later requests hit blocks an
+    earlier one fills in the very same forward: the metadata must accept that."""
+    prompts = {**shared_prompts(3, 80, 20, seed=1, tag="a"),
+               **shared_prompts(2, 40, 50, seed=2, tag="b")}
+    assert len(prompts) == 5
+    same_forward_hits = []
+    shared_reads = metadata._shared_reads
+    monkeypatch.setattr(metadata, "_shared_reads",
+                        lambda *a: same_forward_hits.append(shared_reads(*a)) or
+                        same_forward_hits[-1])
     kw = dict(arrive_after_first=False, max_num_batched_tokens=budget)
     off, on = run(prompts, False, **kw), run(prompts, True, **kw)
+    if budget == 512:
+        assert sum(len(r) for r in same_forward_hits) > 0
     hits = sum(r.cached_tokens for r in on.results.values())
     assert hits > 0
     assert on.tokens_computed == off.tokens_computed - hits
-    assert {r: v.output_ids for r, v in on.results.items()} == \
-        {r: v.output_ids for r, v in off.results.items()}
+    assert outputs(on) == outputs(off) == run_alone(prompts, 6)
 
 
-def test_preempted_requests_resume_correctly():
-    """Too few blocks force preemption; resumed requests get fresh block lists."""
-    prompts = shared_prompts(4, prefix_len=60, suffix_len=40, seed=3)
-    roomy = run(prompts, True, max_tokens=40, arrive_after_first=False)
-    tight = run(prompts, True, max_tokens=40, arrive_after_first=False, num_blocks=22)
-    assert roomy.num_resumed == 0 and tight.num_resumed > 0
-    assert {r: v.output_ids for r, v in tight.results.items()} == \
-        {r: v.output_ids for r, v in roomy.results.items()}
+def test_preempted_requests_resume_in_chunks_without_sampling_early():
+    """Defect 1: a resumed request re-prefills prompt + outputs in 8-token chunks; a chunk
+    ending past the prompt but before the last known token must not sample."""
+    rng = np.random.default_rng(4)
+    prompts = {f"p{i}": rng.integers(3, 512, int(n)).tolist()
+               for i, n in enumerate(rng.integers(20, 61, 8))}
+    tight = run(prompts, True, max_tokens=60, arrive_after_first=False, num_blocks=16,
+                max_num_batched_tokens=8, max_num_seqs=8)
+    assert tight.num_preempted > 0 and tight.num_partial_prefills > 0
+    assert outputs(tight) == run_alone(prompts, 60)
+
+
+@pytest.mark.parametrize("seed", range(8))
+def test_stress_tight_pools_small_budgets_preemption_and_aborts(seed):
+    """Random workloads with shared prefixes on a pool too small for them all, token budgets
+    that split every prompt, and some requests aborted mid-way: every completed request equals
+    itself run alone with caching off, every aborted one a prefix of that."""
+    rng = np.random.default_rng(100 + seed)
+    prompts = {}
+    for g in range(3):
+        prompts.update(shared_prompts(int(rng.integers(2, 4)), int(rng.integers(16, 50)),
+                                      int(rng.integers(1, 30)), seed=seed * 10 + g, tag=f"g{g}_"))
+    max_tokens = int(rng.integers(20, 40))
+    engine = Engine(EngineConfig(**{**BASE, "num_blocks": int(rng.integers(14, 20)),
+                                    "max_num_batched_tokens": int(rng.choice([8, 13, 32])),
+                                    "max_num_seqs": 6}))
+    order = rng.permutation(list(prompts))
+    aborted = set(order[:2].tolist())
+    for req_id in order:
+        engine.add_request(req_id, prompts[req_id], max_tokens)
+    steps = 0
+    while engine.has_unfinished():
+        engine.step()
+        steps += 1
+        if steps in (5, 40):
+            victim = sorted(aborted)[steps // 40]
+            if engine.results[victim].finish_reason is None:
+                engine.abort(victim)
+    alone = run_alone(prompts, max_tokens)
+    for req_id, result in engine.results.items():
+        if result.finish_reason == "abort":
+            assert result.output_ids == alone[req_id][:len(result.output_ids)], req_id
+        else:
+            assert result.output_ids == alone[req_id], req_id
+    assert engine.num_preempted > 0 and engine.num_partial_prefills > 0
+    print(f"seed {seed}: {len(prompts)} requests, {engine.num_preempted} preemptions, "
+          f"{engine.num_partial_prefills} chunk splits, "
+          f"{sum(r.finish_reason == 'abort' for r in engine.results.values())} aborted")
+
+
+@pytest.mark.parametrize("prompt, max_tokens, match", [
+    ([], 4, "prompt_ids"),
+    ([1, 2, 512], 4, "prompt_ids"),
+    ([1.5, 2], 4, "prompt_ids"),
+    ([1] * 1020, 8, "max_model_len"),
+    ([1] * 200, 8, "num_blocks"),
+    ([1, 2], 0, "max_tokens"),
+])
+def test_requests_that_can_never_run_fail_at_once(prompt, max_tokens, match):
+    engine = Engine(EngineConfig(**{**BASE, "num_blocks": 8}))
+    with pytest.raises(ValueError, match=match):
+        engine.add_request("x", prompt, max_tokens)
+    assert not engine.has_unfinished()

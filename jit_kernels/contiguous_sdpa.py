@@ -1,0 +1,69 @@
+"""Attention on contiguous K/V, one `mx.fast.scaled_dot_product_attention` per sequence.
+
+A sequence with nothing cached attends over its own new K/V rows and never reads the cache
+back (what mlx-lm does with its contiguous cache); one with a cached prefix attends over its
+pages copied out by a gather: a backend's page-gather kernel (one launch for the batch), or
+MLX's own take (`reference.gather_kv`) where no kernel exists. The contract is the reference's
+plus the new rows `k`, `v` [T, Hkv, D], which the cache already holds.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import mlx.core as mx
+import numpy as np
+
+import reference
+
+from .page_gather import GatherPlan, PageGather, plan_gather
+from .support import Geometry, check_call
+
+
+@dataclass(frozen=True)
+class SdpaPlan:
+    geometry: Geometry
+    cu_seqlens_q: np.ndarray
+    seq_lens: np.ndarray
+    gather: GatherPlan  # the sequences with a cached prefix, in batch order
+
+
+def plan_sdpa(cu_seqlens_q: np.ndarray, seq_lens: np.ndarray, geometry: Geometry) -> SdpaPlan:
+    cu = np.asarray(cu_seqlens_q, dtype=np.int64)
+    lens = np.asarray(seq_lens, dtype=np.int64)
+    cached = [s for s in range(len(lens)) if lens[s] > cu[s + 1] - cu[s]]
+    return SdpaPlan(geometry, cu, lens, plan_gather(lens, cached, geometry.block_size,
+                                                    geometry.num_kv_heads, geometry.head_dim))
+
+
+def sdpa_attention(
+    q: mx.array, k: mx.array, v: mx.array, k_cache: mx.array, v_cache: mx.array,
+    block_tables: mx.array, plan: SdpaPlan, gather: PageGather | None = None,
+) -> mx.array:
+    """out [T, H, D]; `gather` None copies prefixes with MLX's take. No host sync."""
+    check_call("sdpa", plan.geometry, q, k_cache, v_cache, block_tables, plan.cu_seqlens_q,
+               plan.seq_lens)
+    want = (q.shape[0], k_cache.shape[2], k_cache.shape[3])
+    if k.shape != want or v.shape != want:
+        raise ValueError(f"k, v: new rows must be {want}, got {k.shape} and {v.shape}")
+    g, cu = plan.gather, plan.cu_seqlens_q
+    if not g.seqs:
+        gathered = []
+    elif gather is None:
+        gathered = [reference.gather_kv(k_cache, v_cache, block_tables[s], n)
+                    for s, n in zip(g.seqs, g.seq_lens)]
+    else:
+        gathered = gather(k_cache, v_cache, block_tables, g)
+    by_seq = dict(zip(g.seqs, gathered))
+    outs = []
+    for s in range(len(plan.seq_lens)):
+        start, end = int(cu[s]), int(cu[s + 1])
+        if s in by_seq:
+            ks, vs = by_seq[s]
+        else:  # the cache's dtype, so both sources give the same numbers
+            ks = k[start:end].astype(k_cache.dtype).transpose(1, 0, 2)
+            vs = v[start:end].astype(v_cache.dtype).transpose(1, 0, 2)
+        qs = q[start:end].transpose(1, 0, 2)[None]  # [1, H, Lq, D]
+        outs.append(reference.sdpa(qs, ks[None], vs[None], plan.geometry.scale)[0]
+                    .transpose(1, 0, 2))
+    return outs[0] if len(outs) == 1 else mx.concatenate(outs, axis=0)

@@ -1,0 +1,94 @@
+"""First-use validation of a kernel variant against the reference (the canary).
+
+A kernel that fails to compile or computes wrong numbers must not take down a server or give
+wrong tokens: the first time a variant runs in a process, it runs a small case that exercises
+its paths (two sequences with cached prefixes over several pages, a decode row, enough keys
+to split KV, NaN-poisoned unused pages and table padding) and is compared with the reference.
+"""
+
+from __future__ import annotations
+
+import mlx.core as mx
+import numpy as np
+
+import reference
+from jit_kernels import KernelBackend
+from jit_kernels.contiguous_sdpa import plan_sdpa, sdpa_attention
+from jit_kernels.support import Geometry
+
+# (q_len, context) per sequence: prefill over a multi-page prefix, a decode row, a chunk.
+CASE = ((20, 300), (1, 140), (9, 83))
+NUM_KV_HEADS = 2
+# Kernel vs the fp32 reference on the same rounded inputs, (atol, rtol): the kernels round P to
+# the operand type before P @ V (bf16 ~3e-3 relative, fp16 ~5e-4), plus the output rounding.
+TOLERANCES = {mx.float16: (4e-3, 4e-3), mx.bfloat16: (3e-2, 3e-2)}
+
+
+def _case(g: Geometry, seed: int = 0):
+    rng = np.random.default_rng(seed)
+    q_lens = [q for q, _ in CASE]
+    seq_lens = np.array([q + c for q, c in CASE])
+    needed = -(-seq_lens // g.block_size)
+    num_blocks = int(needed.sum()) + 2
+    pool = rng.permutation(num_blocks)
+    poison = int(pool[-1])  # never a page of any sequence: padding entries point here
+    table = np.full((len(CASE), int(needed.max()) + 1), poison, dtype=np.int32)
+    starts = np.cumsum(needed) - needed
+    for s, (start, n) in enumerate(zip(starts, needed)):
+        table[s, :n] = pool[start:start + n]
+    shape = (num_blocks, g.block_size, NUM_KV_HEADS, g.head_dim)
+    owned = np.zeros(num_blocks, dtype=bool)
+    owned[pool[:int(needed.sum())]] = True
+    def kv():  # noqa: E306
+        x = rng.standard_normal(shape).astype(np.float32)
+        x[~owned] = np.nan
+        return mx.array(x).astype(g.dtype)
+    k_cache, v_cache = kv(), kv()
+    q = mx.array(rng.standard_normal((sum(q_lens), NUM_KV_HEADS * g.group, g.head_dim))
+                 .astype(np.float32)).astype(g.dtype)
+    cu = np.concatenate([[0], np.cumsum(q_lens)])
+    return q, k_cache, v_cache, mx.array(table), cu, seq_lens
+
+
+def _mismatch(out: mx.array, want: mx.array, tol: tuple[float, float]) -> str | None:
+    a, b = np.array(out.astype(mx.float32)), np.array(want.astype(mx.float32))
+    if a.shape != b.shape:
+        return f"output shape {a.shape}, expected {b.shape}"
+    err = np.abs(a - b) - (tol[0] + tol[1] * np.abs(b))
+    if not np.isfinite(a).all() or err.max() > 0:
+        worst = np.unravel_index(np.nanargmax(np.where(np.isfinite(err), err, np.inf)), err.shape)
+        return f"differs from the reference at {worst}: {a[worst]} vs {b[worst]}"
+    return None
+
+
+def check_attention(backend: KernelBackend, g: Geometry) -> str | None:
+    """None when the backend's paged kernel matches the reference on this variant, else why."""
+    small = Geometry(NUM_KV_HEADS * g.group, NUM_KV_HEADS, g.head_dim, g.block_size, g.dtype,
+                     g.head_dim ** -0.5)
+    q, k_cache, v_cache, table, cu, seq_lens = _case(small)
+    want = reference.paged_attention(*(x.astype(mx.float32) for x in (q, k_cache, v_cache)),
+                                     table, cu, seq_lens, small.scale)
+    try:
+        out = backend.attention(q, k_cache, v_cache, table,
+                                backend.attention.plan(cu, seq_lens, small))
+        mx.eval(out)
+    except Exception as e:  # a compile or launch error is exactly what the canary is for
+        return f"{type(e).__name__}: {e}"
+    return _mismatch(out, want, TOLERANCES[g.dtype])
+
+
+def check_gather(backend: KernelBackend, g: Geometry) -> str | None:
+    """None when gather + SDPA through the backend's gather kernel equals the MLX-gather path
+    exactly (a copy has no rounding), else why."""
+    small = Geometry(NUM_KV_HEADS * g.group, NUM_KV_HEADS, g.head_dim, g.block_size, g.dtype,
+                     g.head_dim ** -0.5)
+    q, k_cache, v_cache, table, cu, seq_lens = _case(small)
+    plan = plan_sdpa(cu, seq_lens, small)
+    new = mx.zeros((q.shape[0], NUM_KV_HEADS, g.head_dim), dtype=g.dtype)  # unused: all cached
+    want = sdpa_attention(q, new, new, k_cache, v_cache, table, plan)
+    try:
+        out = sdpa_attention(q, new, new, k_cache, v_cache, table, plan, backend.gather)
+        mx.eval(out)
+    except Exception as e:
+        return f"{type(e).__name__}: {e}"
+    return _mismatch(out, want, (0.0, 0.0))

@@ -1,0 +1,67 @@
+"""Integer checks at the boundary: a ValueError naming the field, never a silent truncation.
+
+numpy would turn 11.7 into 11, True into 1 and a 2**70 into an object array; a block id or
+token id that is not exactly an in-range integer is a caller's bug and is refused here.
+"""
+
+from __future__ import annotations
+
+import numbers
+from collections.abc import Sequence
+
+import numpy as np
+
+MAX_INT64 = 2**63 - 1
+
+
+def _bounds(field: str, low: int | None, high: int | None) -> str:
+    return f"{field}: expected integers in [{'-inf' if low is None else low}, " \
+           f"{'inf' if high is None else high}]"
+
+
+def as_int(value, field: str, low: int | None = None, high: int | None = None) -> int:
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+        raise ValueError(f"{field}: expected an int, got {value!r} ({type(value).__name__})")
+    value = int(value)
+    if (low is not None and value < low) or (high is not None and value > high):
+        raise ValueError(f"{_bounds(field, low, high)}, got {value}")
+    return value
+
+
+def as_ints(values: Sequence[int] | np.ndarray, field: str, low: int | None = None,
+            high: int | None = None) -> np.ndarray:
+    """values as int64, each an exact integer within [low, high]."""
+    try:
+        arr = np.asarray(values)
+    except (OverflowError, ValueError) as e:
+        raise ValueError(f"{field}: expected a flat list of integers ({e})") from None
+    if arr.size == 0:
+        return np.zeros(0, dtype=np.int64)
+    if arr.ndim != 1:
+        raise ValueError(f"{field}: expected a flat list of integers, got shape {arr.shape}")
+    if arr.dtype.kind == "O":  # Python ints past int64, or mixed objects
+        bad = next(v for v in arr.tolist()
+                   if isinstance(v, bool) or not isinstance(v, numbers.Integral)
+                   or not -MAX_INT64 - 1 <= v <= MAX_INT64)
+        raise ValueError(f"{_bounds(field, low, high)}, got {bad!r}")
+    if arr.dtype.kind not in "iu":
+        raise ValueError(f"{field}: expected integers, got {arr.dtype} values such as "
+                         f"{arr.ravel()[0]!r}")
+    if arr.dtype == np.uint64 and arr.max() > MAX_INT64:
+        raise ValueError(f"{_bounds(field, low, high)}, got {arr.max()}")
+    arr = arr.astype(np.int64)
+    out_of_range = np.zeros(arr.shape, dtype=bool)
+    if low is not None:
+        out_of_range |= arr < low
+    if high is not None:
+        out_of_range |= arr > high
+    if out_of_range.any():
+        raise ValueError(f"{_bounds(field, low, high)}, got {arr[out_of_range][:5].tolist()}")
+    return arr
+
+
+def frozen(arr: np.ndarray) -> np.ndarray:
+    """A read-only host array (the per-forward metadata is built once, then only read)."""
+    arr = np.array(arr)
+    arr.flags.writeable = False
+    return arr

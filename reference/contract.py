@@ -1,0 +1,65 @@
+"""The paged-attention contract shared by the reference and every JIT kernel.
+
+    out = paged_attention(q, k_cache, v_cache, block_tables, cu_seqlens_q, seq_lens, scale)
+
+q             [T, H, D]   new tokens of all sequences, packed, RoPE applied.
+k_cache       [num_blocks, block_size, Hkv, D]   paged keys (after RoPE) and values, already
+v_cache       [num_blocks, block_size, Hkv, D]   holding the new tokens: the cache write comes first.
+block_tables  [S, max_blocks] int32 (device): row s lists sequence s's blocks in order; only the
+              first ceil(seq_lens[s] / block_size) entries are read.
+cu_seqlens_q  [S + 1] host ints: sequence s owns rows cu_seqlens_q[s] : cu_seqlens_q[s + 1] of q.
+seq_lens      [S] host ints: cached + new tokens of each sequence.
+scale         softmax scale (usually D ** -0.5).
+out           [T, H, D], q's dtype.
+
+Query head h reads kv head h // (H // Hkv) (GQA). New token i of sequence s sits at position
+context_lens[s] + i, where context_lens = seq_lens - q_lens, and attends to keys
+0 .. context_lens[s] + i (bottom-right-aligned causal). Kernels read keys through the block
+table, never from a contiguous copy; block ids are the caller's to validate (they live on the
+device here, and reading them back would cost a sync per call).
+"""
+
+from __future__ import annotations
+
+import mlx.core as mx
+import numpy as np
+
+
+def check_paged_inputs(
+    q: mx.array, k_cache: mx.array, v_cache: mx.array, block_tables: mx.array,
+    cu_seqlens_q: np.ndarray, seq_lens: np.ndarray,
+) -> None:
+    """Raise ValueError naming the first input that breaks the contract (no device sync)."""
+    if q.ndim != 3:
+        raise ValueError(f"q: expected [T, H, D], got shape {q.shape}")
+    if k_cache.ndim != 4:
+        raise ValueError(f"k_cache: expected [num_blocks, block_size, Hkv, D], got {k_cache.shape}")
+    if v_cache.shape != k_cache.shape:
+        raise ValueError(f"v_cache: shape {v_cache.shape} differs from k_cache {k_cache.shape}")
+    _, block_size, num_kv_heads, head_dim = k_cache.shape
+    if q.shape[2] != head_dim:
+        raise ValueError(f"q: head_dim {q.shape[2]} differs from the cache's {head_dim}")
+    if q.shape[1] % num_kv_heads:
+        raise ValueError(f"q: {q.shape[1]} heads is not a multiple of {num_kv_heads} kv heads")
+    if q.dtype != k_cache.dtype or v_cache.dtype != k_cache.dtype:
+        raise ValueError(
+            f"q: dtype {q.dtype} must match k_cache {k_cache.dtype} and v_cache {v_cache.dtype}")
+    num_seqs = len(seq_lens)
+    if len(cu_seqlens_q) != num_seqs + 1 or num_seqs == 0:
+        raise ValueError(f"cu_seqlens_q: expected {num_seqs + 1} entries for {num_seqs} "
+                         f"sequences, got {len(cu_seqlens_q)}")
+    q_lens = np.diff(cu_seqlens_q)
+    if cu_seqlens_q[0] != 0 or (q_lens < 1).any():
+        raise ValueError(f"cu_seqlens_q: must start at 0 and grow by >= 1, got {list(cu_seqlens_q)}")
+    if q.shape[0] != cu_seqlens_q[-1]:
+        raise ValueError(f"q: {q.shape[0]} rows but cu_seqlens_q packs {cu_seqlens_q[-1]} tokens")
+    if (np.asarray(seq_lens) < q_lens).any():
+        raise ValueError(f"seq_lens: {list(seq_lens)} shorter than the new tokens {list(q_lens)}")
+    if block_tables.ndim != 2 or block_tables.shape[0] != num_seqs:
+        raise ValueError(f"block_tables: expected [{num_seqs}, max_blocks], got {block_tables.shape}")
+    if block_tables.dtype != mx.int32:
+        raise ValueError(f"block_tables: dtype {block_tables.dtype}, expected int32")
+    needed = -(-int(np.max(seq_lens)) // block_size)
+    if block_tables.shape[1] < needed:
+        raise ValueError(f"block_tables: {block_tables.shape[1]} columns but the longest "
+                         f"sequence needs {needed} blocks of {block_size}")
