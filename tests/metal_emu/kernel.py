@@ -1,0 +1,133 @@
+"""`metal_kernel`: a drop-in for `mx.fast.metal_kernel` that runs the kernel on the CPU.
+
+Same arguments, same generated source, same launch semantics (grid in threads, threadgroups
+clamped to the grid, outputs uninitialised unless `init_value`, inputs copied to row-contiguous
+unless `ensure_row_contiguous=False`). Uninitialised outputs are filled with all bits set (NaN
+for floats, -1 for integers) so that an element the kernel never writes shows.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import mlx.core as mx
+import numpy as np
+
+from . import build, emulate, run
+from .source import InputInfo, assemble
+
+# numpy storage of each dtype's bits (16-bit floats travel as uint16: numpy has no bfloat16)
+_STORAGE = {
+    mx.float32: np.float32, mx.float16: np.uint16, mx.bfloat16: np.uint16, mx.bool_: np.bool_,
+    mx.int8: np.int8, mx.int16: np.int16, mx.int32: np.int32, mx.int64: np.int64,
+    mx.uint8: np.uint8, mx.uint16: np.uint16, mx.uint32: np.uint32, mx.uint64: np.uint64,
+}
+
+
+@dataclass
+class EmulationOptions:
+    """How launches run. Defaults from the environment: MSL_EMU_SEED, MSL_EMU_JITTER (0 = off),
+    MSL_EMU_CONCURRENCY (threadgroups in flight), MSL_EMU_TIMEOUT (seconds per launch)."""
+
+    seed: int = int(os.environ.get("MSL_EMU_SEED", "0"))
+    jitter: int = int(os.environ.get("MSL_EMU_JITTER", "1"))
+    concurrency: int = int(os.environ.get("MSL_EMU_CONCURRENCY", "2"))
+    timeout: float = float(os.environ.get("MSL_EMU_TIMEOUT", "300"))
+
+
+OPTIONS = EmulationOptions()
+_launches = 0  # varies the seed from launch to launch
+
+
+def _as_array(a) -> mx.array:
+    return a if isinstance(a, mx.array) else mx.array(a)
+
+
+def _to_numpy(a: mx.array, row_contiguous: bool) -> np.ndarray:
+    bits = a.view(mx.uint16) if a.dtype in (mx.float16, mx.bfloat16) else a
+    arr = np.asarray(bits)
+    return np.ascontiguousarray(arr) if row_contiguous else arr
+
+
+def _from_numpy(arr: np.ndarray, dtype: mx.Dtype, shape) -> mx.array:
+    out = mx.array(arr)
+    if dtype in (mx.float16, mx.bfloat16):
+        out = out.view(dtype)
+    return out.reshape(shape)
+
+
+def _output(shape, dtype: mx.Dtype, init_value) -> np.ndarray:
+    out = run.shared_array(tuple(shape), _STORAGE[dtype])
+    if init_value is None:
+        out.view(np.uint8)[...] = 0xFF
+    else:
+        out[...] = _to_numpy(mx.full(tuple(shape), init_value, dtype=dtype), True)
+    return out
+
+
+class EmulatedKernel:
+    def __init__(self, name, input_names, output_names, source, header, ensure_row_contiguous,
+                 atomic_outputs):
+        self.name, self.input_names, self.output_names = name, list(input_names), list(output_names)
+        self.source, self.header = source, header
+        self.ensure_row_contiguous, self.atomic_outputs = ensure_row_contiguous, atomic_outputs
+
+    def assemble(self, inputs, output_dtypes, template):
+        """MLX's source for these inputs (arrays or scalars), output dtypes and template."""
+        infos = [InputInfo(a.dtype, a.ndim, a.size) for a in map(_as_array, inputs)]
+        return assemble(self.name, self.input_names, self.output_names, self.source, self.header,
+                        self.atomic_outputs, infos, list(output_dtypes), list(template or []))
+
+    def translation_unit(self, inputs, output_dtypes, template) -> str:
+        """The C++ a launch with these arguments compiles (compile checks build it alone)."""
+        return emulate.translation_unit(self.assemble(inputs, output_dtypes, template))
+
+    def __call__(self, *, inputs, output_shapes, output_dtypes, grid, threadgroup, template=None,
+                 init_value=None, verbose=False, stream=None):
+        global _launches
+        for what, got in (("inputs", inputs), ("output_shapes", output_shapes),
+                          ("output_dtypes", output_dtypes)):
+            want = self.input_names if what == "inputs" else self.output_names
+            if len(got) != len(want):
+                raise ValueError(f"[metal_kernel] Expected `{what}` to have size {len(want)} "
+                                 f"but got size {len(got)}.")
+        arrays = [_as_array(a) for a in inputs]
+        assembled = self.assemble(arrays, output_dtypes, template)
+        if verbose:
+            print(f"Generated source code for `{self.name}`:\n```\n{assembled.source}\n```")
+        library = build.build(emulate.translation_unit(assembled))
+
+        buffers = []
+        for a, param_names in zip(arrays, self._buffer_names(assembled)):
+            data = _to_numpy(a, self.ensure_row_contiguous)
+            buffers.append(data)
+            itemsize = data.itemsize
+            for suffix in param_names:
+                buffers.append({"shape": np.array(a.shape, np.int32),
+                                "strides": np.array([s // itemsize for s in data.strides], np.int64),
+                                "ndim": np.array(a.ndim, np.int32)}[suffix])
+        outputs = [_output(s, d, init_value) for s, d in zip(output_shapes, output_dtypes)]
+        _launches += 1
+        run.launch(library, buffers + outputs, tuple(grid), tuple(threadgroup),
+                   seed=OPTIONS.seed * 1_000_003 + _launches, concurrency=OPTIONS.concurrency,
+                   jitter=OPTIONS.jitter, timeout=OPTIONS.timeout)
+        return [_from_numpy(o, d, s) for o, d, s in zip(outputs, output_dtypes, output_shapes)]
+
+    def _buffer_names(self, assembled):
+        """Per input, the shape-info buffers (shape / strides / ndim) its parameters follow with."""
+        names = {p.name for p in assembled.params}
+        return [[s for s in ("shape", "strides", "ndim") if f"{n}_{s}" in names]
+                for n in self.input_names]
+
+
+def metal_kernel(name, input_names, output_names, source, header="", ensure_row_contiguous=True,
+                 atomic_outputs=False, compile_options=None):
+    """`mx.fast.metal_kernel`, emulated on the CPU (see the package README)."""
+    if not output_names:
+        raise ValueError("[metal_kernel] Must specify at least one output.")
+    math_mode = (compile_options or {}).get("math_mode", "safe")
+    if math_mode != "safe":
+        raise NotImplementedError(f"math_mode {math_mode!r}: the emulation runs safe math only")
+    return EmulatedKernel(name, input_names, output_names, source, header, ensure_row_contiguous,
+                          atomic_outputs)
