@@ -1,49 +1,85 @@
 """The vLLM boundary: vLLM's model-runner contract on top of `PagedModelRunner`.
 
-    initialize_kv_cache(KVCacheConfig)            allocate the paged cache vLLM sized
-    execute_model(SchedulerOutput) -> ModelRunnerOutput
+    initialize_kv_cache(KVCacheConfig)           allocate the paged cache vLLM sized
+    run_forward(SchedulerOutput) -> None         the forward; output follows in sample_tokens
+                                   | ModelRunnerOutput   (nothing scheduled: no sampling step)
+    sample_tokens(grammar_output) -> ModelRunnerOutput
+    execute_model(SchedulerOutput) -> ModelRunnerOutput   both, for the offline engine
 
-the same contract vllm-metal's model runner implements, so this module can be dropped
-into its worker. Every vLLM import of the project lives here and in `engine.py`.
+`run_forward` + `sample_tokens` is the split vLLM's workers use (vllm-metal's runner too):
+it serves both synchronous and asynchronous scheduling. Sampling is vLLM's own Sampler
+(`vllm_sampling.py`), so temperature 0 gives exactly the argmax of the logits.
 
 The scheduler owns prefix caching: it hashes blocks, finds hits and hands each request
-`num_computed_tokens` with the hit blocks first in `block_ids`. This runner keeps only
-what the scheduler does not resend each step (token ids, block ids) and computes exactly
-the tokens it was told to, starting at `num_computed_tokens`.
+`num_computed_tokens` with the hit blocks first in `block_ids`. This runner keeps only what
+the scheduler does not resend each step (token ids, block ids, sampling state) and computes
+exactly the tokens it was told to, starting at `num_computed_tokens`.
+
+A step is all or nothing: every change the SchedulerOutput makes to the request states is
+applied to copies and checked (unknown ids, empty or out-of-vocabulary prompts, non-integer
+ids: a ValueError naming the field), the batch metadata is built, and only after the
+forward has succeeded are the copies committed. A step that raises leaves the request
+states as they were; the forward itself writes no cache row before its own checks pass.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+import dataclasses
+from dataclasses import dataclass
 
 import mlx.core as mx
 import mlx.nn as nn
 import torch
-from vllm.v1.core.sched.output import SchedulerOutput
+from vllm.config import VllmConfig
+from vllm.sampling_params import SamplingParams
+from vllm.v1.core.sched.output import NewRequestData, SchedulerOutput
 from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig
-from vllm.v1.outputs import ModelRunnerOutput
+from vllm.v1.outputs import EMPTY_MODEL_RUNNER_OUTPUT, LogprobsLists, ModelRunnerOutput
 
 from .dispatch import Dispatcher
 from .kv_cache import PagedKVCache
-from .metadata import ScheduledRequest, build_batch_metadata
+from .metadata import BatchMetadata, ScheduledRequest, build_batch_metadata
 from .runner import PagedModelRunner
+from .validate import as_ints
+from .vllm_sampling import BatchSampler, SamplingRow, make_generator, unsupported_reason
 
 TORCH_TO_MLX = {torch.float16: mx.float16, torch.bfloat16: mx.bfloat16, torch.float32: mx.float32}
 
 
-@dataclass
-class _RequestState:
-    token_ids: list[int]  # prompt, then every token sampled so far
-    num_prompt_tokens: int
-    block_ids: list[int] = field(default_factory=list)
+@dataclass(frozen=True)
+class _Request:
+    prompt_token_ids: tuple[int, ...]
+    output_token_ids: list[int]  # grows by one per sampled token, after a step succeeded
+    block_ids: tuple[int, ...]
+    params: SamplingParams
+    generator: torch.Generator | None  # seeded requests only; survives preemption
+
+    @property
+    def token_ids(self) -> list[int]:
+        return [*self.prompt_token_ids, *self.output_token_ids]
+
+
+@dataclass(frozen=True)
+class _Step:
+    """One step, planned and checked; nothing of it is committed yet."""
+
+    requests: dict[str, _Request]  # every live request's state once this step is applied
+    req_ids: list[str]  # scheduled, in the scheduler's order (ModelRunnerOutput's order)
+    meta: BatchMetadata
 
 
 class VllmModelRunner:
-    def __init__(self, model: nn.Module, dispatcher: Dispatcher | None = None):
+    def __init__(self, model: nn.Module, dispatcher: Dispatcher | None = None,
+                 vllm_config: VllmConfig | None = None):
         self.model = model
         self.dispatcher = dispatcher
+        self.vocab_size = model.args.vocab_size
+        # TODO(lead): engine.py could pass its VllmConfig (max_num_seqs, logprobs mode);
+        # the defaults serve its greedy requests.
+        self.sampler = BatchSampler(self.vocab_size, vllm_config or VllmConfig())
         self.runner: PagedModelRunner | None = None
-        self.requests: dict[str, _RequestState] = {}
+        self.requests: dict[str, _Request] = {}
+        self._pending: tuple[_Step, mx.array] | None = None
 
     def initialize_kv_cache(self, kv_cache_config: KVCacheConfig) -> None:
         groups = kv_cache_config.kv_cache_groups
@@ -65,60 +101,191 @@ class VllmModelRunner:
         )
         self.runner = PagedModelRunner(self.model, cache, self.dispatcher)
 
-    def _update_states(self, so: SchedulerOutput) -> dict[str, int]:
-        """Apply this step's request changes; returns num_computed_tokens per scheduled id."""
-        for req_id in so.finished_req_ids:
-            self.requests.pop(req_id, None)
-        computed = {}
-        for new in so.scheduled_new_reqs:
-            if new.prompt_token_ids is None:
-                raise ValueError(f"prompt_token_ids: {new.req_id!r} has none (embeddings "
-                                 "input is not supported)")
-            # The scheduler's list is the request's own: copy, never mutate it.
-            self.requests[new.req_id] = _RequestState(
-                list(new.prompt_token_ids), len(new.prompt_token_ids), list(new.block_ids[0]))
-            computed[new.req_id] = new.num_computed_tokens
-        cached = so.scheduled_cached_reqs
-        for i, req_id in enumerate(cached.req_ids):
-            state = self.requests[req_id]
-            new_blocks = cached.new_block_ids[i]
-            if req_id in cached.resumed_req_ids:
-                # A preempted request comes back with a fresh block list (maybe a new hit).
-                state.block_ids = list(new_blocks[0]) if new_blocks else []
-                if req_id in cached.all_token_ids:
-                    state.token_ids = list(cached.all_token_ids[req_id])
-            elif new_blocks:
-                state.block_ids.extend(new_blocks[0])
-            computed[req_id] = cached.num_computed_tokens[i]
-        return computed
+    def warm_up(self, num_tokens: int) -> None:
+        """A real forward (a `num_tokens` prefill and a decode row) and its sampling, greedy
+        and at random with penalties and logprobs, before the first request: one-time costs
+        (kernel builds, the sampler's compiled helpers) stay out of its latency. It writes
+        only into blocks that no request can own yet and leaves no request state."""
+        if self.runner is None:
+            raise ValueError("initialize_kv_cache must run before warm_up")
+        cache = self.runner.kv_cache
+        per_request = -(-(num_tokens + 1) // cache.block_size)
+        if 2 * per_request > cache.num_blocks:
+            raise ValueError(f"num_tokens: a warm-up of {num_tokens} tokens needs "
+                             f"{2 * per_request} blocks, the cache has {cache.num_blocks}")
+        tokens = [i % self.vocab_size for i in range(num_tokens + 1)]
+        blocks = list(range(2 * per_request))
+        meta = build_batch_metadata([
+            ScheduledRequest("warmup-prefill", tokens[:num_tokens], num_tokens, 0, num_tokens,
+                             blocks[:per_request]),
+            ScheduledRequest("warmup-decode", tokens, num_tokens, num_tokens, 1,
+                             blocks[per_request:]),
+        ], cache.block_size, cache.num_blocks, vocab_size=self.vocab_size)
+        logits = self.runner.forward(meta)
+        mx.eval(logits, cache.arrays())
+        varied = SamplingParams(temperature=0.8, top_p=0.9, top_k=20, min_p=0.05, seed=0,
+                                repetition_penalty=1.1, logprobs=2)
+        rows = [SamplingRow(SamplingParams(temperature=0.0), tokens[:num_tokens], [], None),
+                SamplingRow(varied, tokens[:num_tokens], [tokens[-1]], make_generator(varied))]
+        self.sampler.sample(logits, rows)
 
+    # -- the step -----------------------------------------------------------------------
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
+        """Forward and sampling in one call (the offline engine's loop)."""
+        out = self.run_forward(scheduler_output)
+        return out if out is not None else self.sample_tokens(None)
+
+    def run_forward(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput | None:
+        """Run the step's forward and commit its request changes; `sample_tokens` follows
+        unless this returns an output (no token was scheduled: only state changes)."""
         if self.runner is None:
             raise ValueError("initialize_kv_cache must run before execute_model")
-        if scheduler_output.scheduled_spec_decode_tokens:
-            raise ValueError("scheduled_spec_decode_tokens: speculative decoding is not supported")
-        computed = self._update_states(scheduler_output)
-        req_ids = list(scheduler_output.num_scheduled_tokens)
+        if self._pending is not None:
+            raise ValueError("sample_tokens: the previous forward's tokens were never sampled")
+        requests, req_ids = self._plan(scheduler_output)
         if not req_ids:
-            return ModelRunnerOutput(req_ids=[], req_id_to_index={}, sampled_token_ids=[])
+            self.requests = requests
+            return EMPTY_MODEL_RUNNER_OUTPUT
+        meta = self._metadata(requests, req_ids, scheduler_output)
+        logits = self.runner.forward(meta)
+        mx.eval(logits, self.runner.kv_cache.arrays())  # the forward's one host sync
+        self.requests = requests
+        self._pending = (_Step(requests, req_ids, meta), logits)
+        return None
+
+    def sample_tokens(self, grammar_output) -> ModelRunnerOutput:
+        """Sample the pending forward's rows with vLLM's Sampler; append the tokens."""
+        if self._pending is None:
+            raise ValueError("sample_tokens: no forward is pending (run_forward first)")
+        if grammar_output is not None:
+            raise ValueError("grammar_output: structured output is not supported by this runner")
+        (step, logits), self._pending = self._pending, None
+        sample_ids = step.meta.sample_req_ids
+        sampled: dict[str, int] = {}
+        logprobs = None
+        if sample_ids:
+            rows = [self._row(step.requests[r]) for r in sample_ids]
+            out = self.sampler.sample(logits, rows)
+            sampled = dict(zip(sample_ids, out.sampled_token_ids[:, 0].tolist()))
+            if out.logprobs_tensors is not None:
+                logprobs = _in_output_order(out.logprobs_tensors.tolists(), sample_ids, step.req_ids)
+        for req_id, token in sampled.items():
+            step.requests[req_id].output_token_ids.append(token)
+        return ModelRunnerOutput(
+            req_ids=step.req_ids,
+            req_id_to_index={r: i for i, r in enumerate(step.req_ids)},
+            sampled_token_ids=[[sampled[r]] if r in sampled else [] for r in step.req_ids],
+            logprobs=logprobs,
+        )
+
+    # -- planning (no side effects) -----------------------------------------------------
+    def _plan(self, so: SchedulerOutput) -> tuple[dict[str, _Request], list[str]]:
+        """The request states after this step's changes, as new objects; self is untouched."""
+        for field_name in ("scheduled_spec_decode_tokens", "scheduled_encoder_inputs",
+                           "kv_cache_block_copies", "new_block_ids_to_zero"):
+            if getattr(so, field_name, None):
+                raise ValueError(f"{field_name}: not supported by this runner (speculative "
+                                 "decoding, multimodal inputs and KV block copies are refused "
+                                 "at startup)")
+        requests = {r: s for r, s in self.requests.items() if r not in so.finished_req_ids}
+        for new in so.scheduled_new_reqs:
+            if new.req_id in requests:
+                raise ValueError(f"scheduled_new_reqs: {new.req_id!r} is already running")
+            requests[new.req_id] = self._admit(new)
+        cached = so.scheduled_cached_reqs
+        for i, req_id in enumerate(cached.req_ids):
+            if req_id not in requests:
+                raise ValueError(f"scheduled_cached_reqs: unknown request id {req_id!r}")
+            requests[req_id] = self._update(requests[req_id], req_id, cached, i)
+        req_ids = list(so.num_scheduled_tokens)
+        unknown = [r for r in req_ids if r not in requests]
+        if unknown:
+            raise ValueError(f"num_scheduled_tokens: unknown request ids {unknown}")
+        return requests, req_ids
+
+    def _admit(self, new: NewRequestData) -> _Request:
+        rid = new.req_id
+        for name, used in (("prompt_embeds", new.prompt_embeds is not None),
+                           ("mm_features", bool(new.mm_features)),
+                           ("lora_request", new.lora_request is not None),
+                           ("pooling_params", new.pooling_params is not None)):
+            if used:
+                raise ValueError(f"{name}: request {rid!r} uses a feature this runner does not "
+                                 "support")
+        if new.prompt_token_ids is None:
+            raise ValueError(f"prompt_token_ids: request {rid!r} has none (embeddings input "
+                             "is not supported)")
+        if len(new.prompt_token_ids) == 0:
+            raise ValueError(f"prompt_token_ids: request {rid!r} has an empty prompt")
+        prompt = as_ints(new.prompt_token_ids, f"prompt_token_ids ({rid!r})", low=0,
+                         high=self.vocab_size - 1)
+        if not isinstance(new.sampling_params, SamplingParams):
+            raise ValueError(f"sampling_params: request {rid!r} has none (only generation is "
+                             "supported)")
+        if (refused := unsupported_reason(new.sampling_params)) is not None:
+            raise ValueError(f"{refused[0]}: request {rid!r}: {refused[1]}")
+        return _Request(tuple(prompt.tolist()), [], self._blocks(new.block_ids, rid),
+                        new.sampling_params, make_generator(new.sampling_params))
+
+    def _update(self, state: _Request, req_id: str, cached, i: int) -> _Request:
+        new_blocks = cached.new_block_ids[i]
+        if req_id in cached.resumed_req_ids:
+            # A preempted request comes back with a fresh block list (maybe a new hit)
+            # and, from the scheduler, every token it knows.
+            state = dataclasses.replace(state, block_ids=self._blocks(new_blocks, req_id))
+            if req_id in cached.all_token_ids:
+                known = as_ints(cached.all_token_ids[req_id], f"all_token_ids ({req_id!r})",
+                                low=0, high=self.vocab_size - 1).tolist()
+                if tuple(known[:len(state.prompt_token_ids)]) != state.prompt_token_ids:
+                    raise ValueError(f"all_token_ids: {req_id!r} resumes with another prompt")
+                state = dataclasses.replace(state,
+                                            output_token_ids=known[len(state.prompt_token_ids):])
+            return state
+        if new_blocks:
+            added = self._blocks(new_blocks, req_id)
+            state = dataclasses.replace(state, block_ids=state.block_ids + added)
+        return state
+
+    @staticmethod
+    def _blocks(groups, req_id: str) -> tuple[int, ...]:
+        if not isinstance(groups, (tuple, list)) or len(groups) != 1:
+            raise ValueError(f"block_ids: request {req_id!r} must carry exactly one KV-cache "
+                             f"group's block list, got {groups!r}")
+        return tuple(as_ints(groups[0], f"block_ids ({req_id!r})", low=0).tolist())
+
+    def _metadata(self, requests: dict[str, _Request], req_ids: list[str],
+                  so: SchedulerOutput) -> BatchMetadata:
+        computed = dict(zip(so.scheduled_cached_reqs.req_ids,
+                            so.scheduled_cached_reqs.num_computed_tokens))
+        computed.update((n.req_id, n.num_computed_tokens) for n in so.scheduled_new_reqs)
+        missing = [r for r in req_ids if r not in computed]
+        if missing:
+            raise ValueError(f"num_scheduled_tokens: {missing} are neither new nor cached "
+                             "requests of this step")
         scheduled = [
             ScheduledRequest(
                 req_id=r,
-                token_ids=self.requests[r].token_ids,
-                num_prompt_tokens=self.requests[r].num_prompt_tokens,
+                token_ids=requests[r].token_ids,
+                num_prompt_tokens=len(requests[r].prompt_token_ids),
                 num_computed_tokens=computed[r],
-                num_scheduled_tokens=scheduler_output.num_scheduled_tokens[r],
-                block_ids=self.requests[r].block_ids,
+                num_scheduled_tokens=so.num_scheduled_tokens[r],
+                block_ids=requests[r].block_ids,
             )
             for r in req_ids
         ]
         cache = self.runner.kv_cache
-        meta = build_batch_metadata(scheduled, cache.block_size, cache.num_blocks)
-        sampled = dict(zip(meta.sample_req_ids, self.runner.greedy(meta)))
-        for req_id, token in sampled.items():
-            self.requests[req_id].token_ids.append(token)
-        return ModelRunnerOutput(
-            req_ids=req_ids,
-            req_id_to_index={r: i for i, r in enumerate(req_ids)},
-            sampled_token_ids=[[sampled[r]] if r in sampled else [] for r in req_ids],
-        )
+        return build_batch_metadata(scheduled, cache.block_size, cache.num_blocks,
+                                    vocab_size=self.vocab_size)
+
+    @staticmethod
+    def _row(state: _Request) -> SamplingRow:
+        return SamplingRow(state.params, state.prompt_token_ids, state.output_token_ids,
+                           state.generator)
+
+
+def _in_output_order(lists: LogprobsLists, sample_ids, req_ids: list[str]) -> LogprobsLists:
+    """Sampler rows follow `sample_ids`; the scheduler reads row `req_id_to_index[req]`."""
+    row_of = {r: i for i, r in enumerate(sample_ids)}
+    order = [row_of.get(r, 0) for r in req_ids]  # rows of non-sampling requests are never read
+    return LogprobsLists(lists.logprob_token_ids[order], lists.logprobs[order],
+                         lists.sampled_token_ranks[order])

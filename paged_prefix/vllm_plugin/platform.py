@@ -1,0 +1,161 @@
+"""The vLLM Platform for paged_prefix on MLX (CPU backend; CUDA or Metal where MLX has them).
+
+No torch model is ever built: torch sees a "cpu" device for vLLM's own host tensors, while
+the model, the paged KV cache and attention are MLX arrays owned by the worker
+(`worker.py`). What this class decides, all at startup or admission, never silently:
+
+- the worker class (when vLLM's is "auto"), one uni-process worker, no torch.compile or
+  CUDA graphs;
+- what is refused: tensor/pipeline/data parallelism, speculative decoding, LoRA,
+  multimodal and pooling models, custom logits processors, quantized KV caches (startup),
+  and per request the sampling options the runner cannot honour (`vllm_sampling`) and
+  prompt embeddings or multimodal inputs (HTTP 400 through `validate_request`);
+- dtypes: float32 first on MLX's CPU backend (no fast half precision there), so a float32
+  checkpoint stays float32 under `--dtype auto`; bfloat16 first on GPU backends.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import TYPE_CHECKING
+
+import psutil
+import torch
+from vllm.platforms.interface import Platform, PlatformEnum
+
+if TYPE_CHECKING:
+    from vllm.config import VllmConfig
+
+logger = logging.getLogger(__name__)
+
+WORKER_CLS = "paged_prefix.vllm_plugin.worker.MLXWorker"
+KV_CACHE_DTYPES = ("auto", "float16", "bfloat16")
+
+
+def _mlx_gpu() -> bool:
+    import mlx.core as mx
+
+    return mx.default_device() == mx.gpu
+
+
+class MLXPlatform(Platform):
+    _enum = PlatformEnum.OOT
+    device_name: str = "cpu"  # what torch sees; MLX keeps its own device
+    device_type: str = "cpu"
+    dispatch_key: str = "CPU"
+    dist_backend: str = "gloo"  # vLLM's one-rank control plane
+    device_control_env_var: str = "PAGED_PREFIX_VISIBLE_DEVICES"
+    # vLLM torch.compiles a few sampler helpers; Inductor would need a C++ toolchain and
+    # minutes of compile time for what runs on a few rows.
+    simple_compile_backend: str = "eager"
+
+    @property
+    def supported_dtypes(self) -> list[torch.dtype]:
+        if _mlx_gpu():
+            return [torch.bfloat16, torch.float16, torch.float32]
+        return [torch.float32, torch.bfloat16, torch.float16]
+
+    @classmethod
+    def get_device_name(cls, device_id: int = 0) -> str:
+        import mlx.core as mx
+
+        return f"MLX {mx.default_device()}"
+
+    @classmethod
+    def get_device_total_memory(cls, device_id: int = 0) -> int:
+        from .memory import device_memory
+
+        return device_memory().total
+
+    @classmethod
+    def is_pin_memory_available(cls) -> bool:
+        return False
+
+    @classmethod
+    def get_device_count(cls) -> int:
+        return 1
+
+    @classmethod
+    def set_device(cls, device) -> None:
+        return None
+
+    @classmethod
+    def current_device(cls) -> int:
+        return 0
+
+    @classmethod
+    def manual_seed_all(cls, seed: int) -> None:
+        import mlx.core as mx
+
+        mx.random.seed(seed)
+
+    @classmethod
+    def get_current_memory_usage(cls, device=None) -> float:
+        return float(psutil.Process().memory_info().rss)
+
+    @classmethod
+    def inference_mode(cls):
+        return torch.no_grad()
+
+    @classmethod
+    def support_hybrid_kv_cache(cls) -> bool:
+        return False
+
+    @classmethod
+    def check_and_update_config(cls, vllm_config: VllmConfig) -> None:
+        from vllm.config import CompilationMode, CUDAGraphMode
+
+        from . import mirror_vllm_logging
+
+        mirror_vllm_logging()
+        parallel = vllm_config.parallel_config
+        if parallel.world_size > 1 or parallel.data_parallel_size > 1:
+            raise ValueError("paged_prefix: one worker only (tensor, pipeline and data "
+                             "parallel sizes must be 1)")
+        if vllm_config.speculative_config is not None:
+            raise ValueError("paged_prefix: speculative decoding is not supported")
+        if vllm_config.lora_config is not None:
+            raise ValueError("paged_prefix: LoRA is not supported")
+        if parallel.worker_cls == "auto":
+            parallel.worker_cls = WORKER_CLS
+        if parallel.distributed_executor_backend in ("auto", None):
+            parallel.distributed_executor_backend = "uni"
+        parallel.disable_custom_all_reduce = True
+        cache = vllm_config.cache_config
+        if cache.cache_dtype not in KV_CACHE_DTYPES:
+            raise ValueError(f"kv_cache_dtype: {cache.cache_dtype!r} is not supported; "
+                             f"choose one of {KV_CACHE_DTYPES}")
+        model = vllm_config.model_config
+        if model is not None:
+            if model.runner_type != "generate":
+                raise ValueError(f"paged_prefix: only generation is supported (runner "
+                                 f"{model.runner_type!r})")
+            if model.is_multimodal_model:
+                raise ValueError("paged_prefix: multimodal models are not supported")
+            if model.logits_processors:
+                raise ValueError("paged_prefix: custom logits processors are not supported "
+                                 "(vLLM's built-in min_p, logit_bias and min_tokens are)")
+            model.disable_cascade_attn = True
+        comp = vllm_config.compilation_config
+        comp.mode = CompilationMode.NONE
+        comp.cudagraph_mode = CUDAGraphMode.NONE
+        comp.cudagraph_capture_sizes = []
+        logger.info("paged_prefix platform: worker %s, block size %s, prefix caching %s, "
+                    "async scheduling %s", parallel.worker_cls, cache.block_size,
+                    cache.enable_prefix_caching, vllm_config.scheduler_config.async_scheduling)
+
+    @classmethod
+    def validate_request(cls, processed_inputs, params) -> None:
+        from vllm.exceptions import VLLMValidationError
+        from vllm.sampling_params import SamplingParams
+
+        from ..vllm_sampling import unsupported_reason
+
+        kind = processed_inputs.get("type") if isinstance(processed_inputs, dict) else None
+        if kind != "token":  # embeds, multimodal, encoder-decoder
+            raise VLLMValidationError(f"paged_prefix: {kind} inputs are not supported; send "
+                                      "text or token ids", parameter="prompt")
+        if isinstance(params, SamplingParams) and (refused := unsupported_reason(params)):
+            name, reason = refused
+            raise VLLMValidationError(f"paged_prefix: {name} is not supported: {reason}",
+                                      parameter=name, value=getattr(params, name))

@@ -1,0 +1,171 @@
+"""The vLLM worker: loads an mlx-lm model and drives `VllmModelRunner` (MLX) for vLLM's engine.
+
+Engine-core call order (vLLM 0.32, uni-process executor, one worker in the engine process):
+  init_device -> load_model -> get_kv_cache_spec -> get_supported_kv_cache_layouts
+  -> determine_available_memory -> initialize_from_config -> compile_or_warm_up_model
+  -> [execute_model (None) -> sample_tokens]* -> shutdown
+`execute_model` runs the forward and returns None, `sample_tokens` samples and returns the
+step's output: the contract vLLM's engine uses with synchronous and asynchronous scheduling
+alike. The same class serves under vllm-metal's platform through `--worker-cls`.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+
+import mlx.core as mx
+import torch
+from vllm.config import VllmConfig
+from vllm.distributed import ensure_model_parallel_initialized, init_distributed_environment
+from vllm.utils.torch_utils import kv_cache_dtype_str_to_dtype, set_random_seed
+from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheSpec
+from vllm.v1.outputs import ModelRunnerOutput
+from vllm.v1.worker.worker_base import CompilationTimes, WorkerBase
+
+from ..dispatch import Dispatcher
+from ..model_loader import load_model
+from ..vllm_runner import TORCH_TO_MLX, VllmModelRunner
+from . import mirror_vllm_logging
+from .memory import MiB, activation_peak, measure_budget, profile_tokens
+
+logger = logging.getLogger(__name__)
+
+WARMUP_TOKENS = 16
+
+
+def _honour_torch_accelerator_noop() -> None:
+    """Make torch.accelerator's cache calls the no-ops torch documents where no
+    accelerator exists: CPU builds of torch 2.13 raise from them instead, and vLLM calls
+    them while shutting its engine down on every platform it does not know as CPU."""
+    if not torch.accelerator.is_available():
+        torch.accelerator.empty_cache = lambda: None
+        torch.accelerator.empty_host_cache = lambda: None
+
+
+class MLXWorker(WorkerBase):
+    def __init__(self, vllm_config: VllmConfig, local_rank: int, rank: int,
+                 distributed_init_method: str, is_driver_worker: bool = False, **kwargs):
+        super().__init__(vllm_config=vllm_config, local_rank=local_rank, rank=rank,
+                         distributed_init_method=distributed_init_method,
+                         is_driver_worker=is_driver_worker)
+        self.runner: VllmModelRunner | None = None
+        self._weights_bytes = 0
+        mirror_vllm_logging()
+
+    # -- device and model -----------------------------------------------------------------
+    def init_device(self) -> None:
+        self.device = torch.device("cpu")  # vLLM's host tensors; the model is MLX's
+        _honour_torch_accelerator_noop()
+        # vLLM's control plane expects a (one-rank, gloo) process group.
+        init_distributed_environment(self.parallel_config.world_size, self.rank,
+                                     self.distributed_init_method, self.local_rank,
+                                     backend="gloo")
+        ensure_model_parallel_initialized(1, 1)
+        set_random_seed(self.model_config.seed)
+        logger.info("paged_prefix worker: MLX device %s", mx.default_device())
+
+    def load_model(self, *, load_dummy_weights: bool = False) -> None:
+        if load_dummy_weights:
+            raise ValueError("load_dummy_weights: this worker loads mlx-lm folders only")
+        model = load_model(self.model_config.model, TORCH_TO_MLX[self.model_config.dtype])
+        self._weights_bytes = mx.get_active_memory()
+        self.runner = VllmModelRunner(model, Dispatcher(), self.vllm_config)
+        logger.info("paged_prefix worker: weights hold %.0f MiB", self._weights_bytes / MiB)
+
+    def get_model(self):
+        return self.runner.model if self.runner else None
+
+    def update_max_model_len(self, max_model_len: int) -> None:
+        self.model_config.max_model_len = max_model_len
+
+    # -- KV cache ---------------------------------------------------------------------------
+    def _spec(self) -> FullAttentionSpec:
+        return FullAttentionSpec(
+            block_size=self.cache_config.block_size,
+            num_kv_heads=self.model_config.get_num_kv_heads(self.parallel_config),
+            head_size=self.model_config.get_head_size(),
+            dtype=kv_cache_dtype_str_to_dtype(self.cache_config.cache_dtype, self.model_config))
+
+    def get_kv_cache_spec(self) -> dict[str, KVCacheSpec]:
+        spec = self._spec()
+        return {f"model.layers.{i}.self_attn.attn": spec for i in range(len(self.runner.model.layers))}
+
+    def get_supported_kv_cache_layouts(self) -> list[str]:
+        # Per layer [num_blocks, block_size, num_kv_heads, head_dim], vllm-metal's layout.
+        return ["LBNHC"]
+
+    def get_cache_block_size_bytes(self) -> int:
+        return self._spec().page_size_bytes * len(self.runner.model.layers)
+
+    def determine_available_memory(self) -> int:
+        """Bytes for the KV cache: --kv-cache-memory-bytes, else a measured budget."""
+        if self.cache_config.kv_cache_memory_bytes:
+            logger.info("paged_prefix worker: KV cache budget %.0f MiB (--kv-cache-memory-bytes)",
+                        self.cache_config.kv_cache_memory_bytes / MiB)
+            return int(self.cache_config.kv_cache_memory_bytes)
+        spec = self._spec()
+        full = self.scheduler_config.max_num_batched_tokens
+        tokens = profile_tokens(full)
+        peak = activation_peak(self.runner.model, self.runner.dispatcher or Dispatcher(), tokens,
+                               spec.block_size, spec.num_kv_heads, spec.head_size,
+                               TORCH_TO_MLX[spec.dtype])
+        activations = peak * full // tokens
+        if tokens != full:
+            logger.info("paged_prefix worker: activation peak measured over %d tokens (%.1f MiB), "
+                        "scaled to max_num_batched_tokens=%d", tokens, peak / MiB, full)
+        budget = measure_budget(self.cache_config.gpu_memory_utilization, self._weights_bytes,
+                                activations)
+        logger.info("paged_prefix worker: KV cache budget %s", budget.describe())
+        return budget.kv_cache_bytes
+
+    def initialize_cache(self, num_gpu_blocks: int, num_cpu_blocks: int) -> None:
+        self.cache_config.num_gpu_blocks = num_gpu_blocks
+        self.cache_config.num_cpu_blocks = num_cpu_blocks
+
+    def initialize_from_config(self, kv_cache_config: KVCacheConfig) -> None:
+        self.runner.initialize_kv_cache(kv_cache_config)
+        cache = self.runner.runner.kv_cache
+        logger.info("paged_prefix worker: KV cache %d blocks x %d tokens (%s), %.0f MiB",
+                    cache.num_blocks, cache.block_size, cache.dtype, cache.nbytes / MiB)
+
+    def compile_or_warm_up_model(self) -> CompilationTimes:
+        start = time.perf_counter()
+        self.runner.warm_up(WARMUP_TOKENS)
+        elapsed = time.perf_counter() - start
+        logger.info("paged_prefix worker: warm-up forward and sampling in %.1f s", elapsed)
+        set_random_seed(self.model_config.seed)  # as vLLM's workers: warm-up draws nothing seen
+        return CompilationTimes(language_model=elapsed, encoder=0.0)
+
+    # -- steps ------------------------------------------------------------------------------
+    def execute_model(self, scheduler_output) -> ModelRunnerOutput | None:
+        return self.runner.run_forward(scheduler_output)
+
+    def sample_tokens(self, grammar_output) -> ModelRunnerOutput:
+        return self.runner.sample_tokens(grammar_output)
+
+    def take_draft_token_ids(self):
+        return None
+
+    def get_supported_tasks(self) -> tuple[str, ...]:
+        return ("generate",)
+
+    def synchronize_device(self) -> None:
+        mx.synchronize()
+
+    # -- refused features (the platform refuses them at startup already) ---------------------
+    def add_lora(self, lora_request) -> bool:
+        raise ValueError("lora: not supported by paged_prefix")
+
+    def remove_lora(self, lora_id: int) -> bool:
+        return False
+
+    def pin_lora(self, lora_id: int) -> bool:
+        return False
+
+    def list_loras(self) -> set[int]:
+        return set()
+
+    def shutdown(self) -> None:
+        self.runner = None
+        mx.clear_cache()
