@@ -80,7 +80,7 @@ def launch(library: Path, buffers: list[np.ndarray], grid, threadgroup, *, seed:
                           "some thread never reaches?")
     if os.WIFSIGNALED(status):
         name = signal.Signals(os.WTERMSIG(status)).name
-        raise KernelError(f"the kernel crashed ({name}): an out-of-bounds access?")
+        raise KernelError(f"the kernel crashed ({name}): an out-of-bounds or misaligned access?")
     code = os.WEXITSTATUS(status)
     if code == _KERNEL_FAILED:
         raise KernelError(bytes(error).split(b"\0", 1)[0].decode(errors="replace"))
