@@ -11,6 +11,7 @@ import pytest
 
 from tests.metal_emu import OPTIONS, KernelError, metal_kernel
 from tests.metal_emu.emulate import rewrite_threadgroup_variables
+from tests.metal_emu.source import mlx_printed_source
 
 pytestmark = pytest.mark.emulated
 
@@ -48,21 +49,8 @@ SIGNATURE_CASES = {
 }
 
 
-def mlx_generated_source(factory_kw, call_kw, tmp_path, capfd) -> str:
-    """The source MLX itself prints (verbose) while exporting a call: works without Metal."""
-    kernel = mx.fast.metal_kernel(**factory_kw)
-
-    def f(*arrays):
-        return kernel(**call_kw, inputs=list(arrays), verbose=True)
-
-    capfd.readouterr()
-    mx.export_function(str(tmp_path / "kernel.mlxfn"), f, *call_kw.pop("inputs"))
-    printed = capfd.readouterr().out
-    return printed.split("```\n", 1)[1].rsplit("\n```", 1)[0]
-
-
 @pytest.mark.parametrize("case", SIGNATURE_CASES)
-def test_source_is_mlx_source(case, tmp_path, capfd):
+def test_source_is_mlx_source(case):
     c = dict(SIGNATURE_CASES[case])
     factory_kw = dict(name="k", input_names=[f"in{i}" for i in range(len(c["inputs"]))],
                       output_names=[f"out{i}" for i in range(len(c["output_dtypes"]))],
@@ -72,7 +60,7 @@ def test_source_is_mlx_source(case, tmp_path, capfd):
                    output_dtypes=c["output_dtypes"], grid=(4, 1, 1), threadgroup=(4, 1, 1),
                    template=c["template"])
     ours = metal_kernel(**factory_kw).assemble(c["inputs"], c["output_dtypes"], c["template"])
-    assert ours.source == mlx_generated_source(factory_kw, call_kw, tmp_path, capfd)
+    assert ours.source == mlx_printed_source(factory_kw, call_kw)
 
 
 def test_threadgroup_rewrite():

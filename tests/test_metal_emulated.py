@@ -22,6 +22,7 @@ from jit_kernels.page_gather import plan_gather
 from jit_kernels.support import BLOCK_SIZES, MAX_GROUP, Geometry
 from tests.conftest import TOLERANCES, PagedCase, assert_close
 from tests.metal_emu import KernelError, build, metal_kernel
+from tests.metal_emu.source import mlx_printed_source
 
 pytestmark = pytest.mark.emulated
 
@@ -42,49 +43,63 @@ def run_gather(case: PagedCase, g: Geometry, kernel_factory=metal_kernel):
     return metal_backend(kernel_factory).gather(case.k_cache, case.v_cache, case.block_tables, plan)
 
 
-# --- every variant compiles with warnings as errors ----------------------------------------
+# --- every variant: MLX's exact source, compiled with warnings as errors ----------------------
 
-class CompileOnly:
-    """A `metal_kernel` stand-in whose launches record the C++ they would compile and return
-    zeros: driving the real wrapper with it yields exactly the sources of a real run."""
+class RecordedLaunches:
+    """A `metal_kernel` stand-in whose launches are recorded, not run (zeros come back):
+    driving the real wrapper with it yields exactly the kernels and launches of a real run."""
 
     def __init__(self):
-        self.units: dict[str, str] = {}
+        self.launches: dict[str, tuple] = {}  # kernel name -> (kernel, factory kw, launch kw)
 
     def __call__(self, **factory_kw):
         kernel = metal_kernel(**factory_kw)
 
-        def launch(*, inputs, output_shapes, output_dtypes, template=None, **_):
-            assembled = kernel.assemble(inputs, output_dtypes, template)
-            self.units[assembled.kernel_name] = kernel.translation_unit(inputs, output_dtypes,
-                                                                        template)
-            return [mx.zeros(s, d) for s, d in zip(output_shapes, output_dtypes)]
+        def launch(**call_kw):
+            name = kernel.assemble(call_kw["inputs"], call_kw["output_dtypes"],
+                                   call_kw.get("template")).kernel_name
+            self.launches[name] = (kernel, factory_kw, call_kw)
+            return [mx.zeros(s, d) for s, d in zip(call_kw["output_shapes"],
+                                                    call_kw["output_dtypes"])]
 
         return launch
 
 
-def test_every_variant_compiles_strictly():
-    """dtype x head dim x GQA group x block size, with the merge (a split plan) and the page
-    gather of each; block tables and merge lists under 8 ints go to `constant` (one case)."""
-    factory = CompileOnly()
+@pytest.fixture(scope="module")
+def every_variant() -> RecordedLaunches:
+    """dtype x head dim x GQA group x block size, each with its merge (a split plan) and page
+    gather; plus a block table and a merge list under 8 ints (passed as `constant`)."""
+    recorder = RecordedLaunches()
     for dtype, head_dim, group, bs in itertools.product(
             DTYPES.values(), HEAD_DIMS, range(1, MAX_GROUP + 1), BLOCK_SIZES):
         g = Geometry(2 * group, 2, head_dim, bs, dtype, head_dim ** -0.5)
         case = PagedCase([1], [300], 2 * group, 2, head_dim, bs, dtype)
-        run_attention(case, g, factory)
-        run_gather(case, g, factory)
-    # a 1 x 6 block table and a one-tile merge list: both passed in the constant address space
-    small = PagedCase([1], [100], 2, 1, 64, 32, mx.float16)
-    run_attention(small, Geometry(2, 1, 64, 32, mx.float16, 0.125), factory)
+        run_attention(case, g, recorder)
+        run_gather(case, g, recorder)
+    small = PagedCase([1], [100], 2, 1, 64, 32, mx.float16)  # a 1 x 6 table, one merged tile
+    run_attention(small, Geometry(2, 1, 64, 32, mx.float16, 0.125), recorder)
     gather_f32 = PagedCase([3], [20], 2, 1, 64, 16, mx.float32)
-    run_gather(gather_f32, Geometry(2, 1, 64, 16, mx.float32, 0.125), factory)
+    run_gather(gather_f32, Geometry(2, 1, 64, 16, mx.float32, 0.125), recorder)
+    names = recorder.launches
     variants = 2 * len(HEAD_DIMS) * MAX_GROUP * len(BLOCK_SIZES)
-    kinds = {k: sum(k in n for n in factory.units) for k in ("attention", "merge", "gather")}
-    assert kinds == {"attention": variants + 1, "merge": variants + 1, "gather": 2 * 3 + 1}
-    constant = {k for k in kinds for n in factory.units if k in n and "_int32_tc_" in n}
-    assert {"attention", "merge"} <= constant
-    failures = build.strict_check(factory.units)
-    assert not failures, (f"{len(failures)} of {len(factory.units)} kernels fail, e.g. "
+    kinds = {k: sum(k in n for n in names) for k in ("attention", "merge", "gather")}
+    assert kinds["attention"] > variants and kinds["merge"] > variants, kinds
+    assert kinds["gather"] > 2 * len(BLOCK_SIZES), kinds
+    assert {k for k in kinds for n in names if k in n and "_int32_tc_" in n} >= {"attention", "merge"}
+    return recorder
+
+
+def test_every_source_is_mlx_source(every_variant):
+    for name, (kernel, factory_kw, call_kw) in every_variant.launches.items():
+        ours = kernel.assemble(call_kw["inputs"], call_kw["output_dtypes"], call_kw.get("template"))
+        assert ours.source == mlx_printed_source(factory_kw, call_kw), name
+
+
+def test_every_variant_compiles_strictly(every_variant):
+    units = {name: kernel.translation_unit(kw["inputs"], kw["output_dtypes"], kw.get("template"))
+             for name, (kernel, _, kw) in every_variant.launches.items()}
+    failures = build.strict_check(units)
+    assert not failures, (f"{len(failures)} of {len(units)} kernels fail, e.g. "
                           f"{next(iter(failures.values()))}")
 
 

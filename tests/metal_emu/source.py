@@ -8,6 +8,9 @@ source MLX itself prints (`verbose=True` while exporting a function, which works
 
 from __future__ import annotations
 
+import os
+import sys
+import tempfile
 from dataclasses import dataclass
 
 import mlx.core as mx
@@ -170,3 +173,26 @@ def assemble(name, input_names, output_names, source, header, atomic_outputs,
         inst = kname + template_def
         text += (f'\ntemplate [[host_name("{kname}")]] [[kernel]] decltype({inst}) {inst};\n')
     return Assembled(kname, text, template_def, tuple(params))
+
+
+def mlx_printed_source(factory_kw: dict, call_kw: dict) -> str:
+    """The source MLX itself generates for a kernel and launch: it prints it (verbose=True)
+    while `mx.export_function` traces the launch, which works without Metal."""
+    kernel = mx.fast.metal_kernel(**factory_kw)
+    kw = {k: v for k, v in call_kw.items() if k not in ("inputs", "verbose")}
+
+    def launch(*inputs):
+        return kernel(inputs=list(inputs), verbose=True, **kw)
+
+    with tempfile.TemporaryDirectory() as tmp, tempfile.TemporaryFile() as printed:
+        sys.stdout.flush()
+        saved = os.dup(1)
+        os.dup2(printed.fileno(), 1)  # MLX prints through std::cout
+        try:
+            mx.export_function(os.path.join(tmp, "kernel.mlxfn"), launch, *call_kw["inputs"])
+        finally:
+            os.dup2(saved, 1)
+            os.close(saved)
+        printed.seek(0)
+        text = printed.read().decode()
+    return text.split("```\n", 1)[1].rsplit("\n```", 1)[0]
