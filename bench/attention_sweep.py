@@ -1,17 +1,21 @@
-"""Paged-prefill attention sweep: JIT kernel vs gather reference vs contiguous SDPA ceiling.
+"""Paged-prefill attention sweep: every path against the contiguous-SDPA ceiling.
 
-    python bench/attention_sweep.py --out sweep.json [--quick]
+    python bench/attention_sweep.py --out sweep.json [--quick] [--only C4096_Lq16,...]
 
 Points: H=32, Hkv=8, D=128, bf16, block 16, pages shuffled; context C in {0, 1024, 4096,
 16384} x new tokens Lq in {1 (a batch of 32 decode rows, each with context C), 16, 64, 512,
 4096}, plus a batch of 8 sequences with mixed prefix hits. --quick (and any machine without
-a GPU kernel backend) shrinks the sizes; without a backend only the reference and the
-ceiling run.
+a GPU kernel backend) shrinks the sizes.
+
+Paths: ceiling = SDPA on K/V that are already contiguous (no paging at all); reference = MLX
+gather + SDPA; sdpa = SDPA over the new K/V (C = 0) or pages copied by the backend's gather
+kernel; kernel = the backend's paged kernel; auto = the dispatcher's choice; gather = the
+gather kernel alone (its GB/s counts bytes read + written).
 
 Per path: microseconds per call, TFLOP/s with FLOPs = 4 H D Lq (C + (Lq + 1) / 2) per
-sequence (the causal half of the new block), and effective GB/s = (K/V read + q + out
-bytes) / time. Timing: one mx.eval round trip costs 50-100 us, so each sample evaluates K
-independent calls at once and divides; the median of the samples is reported.
+sequence, and effective GB/s = (K/V read + q + out bytes) / time. Timing: one mx.eval round
+trip costs 50-100 us, so each sample evaluates K independent calls at once and divides; the
+median of the samples is reported.
 """
 
 from __future__ import annotations
@@ -31,10 +35,13 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import reference  # noqa: E402
 from jit_kernels import available_backends  # noqa: E402
+from jit_kernels.contiguous_sdpa import plan_sdpa, sdpa_attention  # noqa: E402
+from jit_kernels.support import Geometry  # noqa: E402
 from paged_prefix.dispatch import Dispatcher  # noqa: E402
 from paged_prefix.metadata import AttentionMetadata, build_attention_metadata  # noqa: E402
 
 HEADS, KV_HEADS, HEAD_DIM, BLOCK_SIZE, DTYPE = 32, 8, 128, 16, mx.bfloat16
+GEOMETRY = Geometry(HEADS, KV_HEADS, HEAD_DIM, BLOCK_SIZE, DTYPE, HEAD_DIM ** -0.5)
 MIXED = ([512, 1, 64, 1, 16, 2048, 1, 128], [4096, 8000, 0, 300, 16384, 1024, 2000, 12000])
 
 
@@ -66,6 +73,8 @@ def sweep_points(quick: bool) -> list[Point]:
 @dataclass
 class Case:
     q: mx.array
+    k_new: mx.array  # [T, Hkv, D]: the new rows, what the sdpa path reads when C = 0
+    v_new: mx.array
     k_cache: mx.array
     v_cache: mx.array
     meta: AttentionMetadata
@@ -88,15 +97,18 @@ def make_case(point: Point, seed: int = 0) -> Case:
     q = q.astype(DTYPE)
     meta = build_attention_metadata(point.q_lens, point.ctx_lens,
                                     [t.tolist() for t in tables], BLOCK_SIZE, num_blocks)
-    k_seqs, v_seqs, q_seqs = [], [], []
+    k_seqs, v_seqs, q_seqs, k_new, v_new = [], [], [], [], []
     cu = meta.cu_seqlens_q_host
     for s, n in enumerate(seq_lens):
-        k, v = reference.gather_kv(k_cache, v_cache, meta.block_tables[s], n)
-        k_seqs.append(mx.contiguous(k.transpose(1, 0, 2)[None]))
-        v_seqs.append(mx.contiguous(v.transpose(1, 0, 2)[None]))
+        k, v = reference.gather_kv(k_cache, v_cache, meta.block_tables[s], n)  # [Hkv, L, D]
+        k_seqs.append(mx.contiguous(k[None]))
+        v_seqs.append(mx.contiguous(v[None]))
         q_seqs.append(mx.contiguous(q[cu[s]:cu[s + 1]].transpose(1, 0, 2)[None]))
-    mx.eval(k_cache, v_cache, q, k_seqs, v_seqs, q_seqs)
-    return Case(q, k_cache, v_cache, meta, k_seqs, v_seqs, q_seqs)
+        k_new.append(k[:, point.ctx_lens[s]:].transpose(1, 0, 2))
+        v_new.append(v[:, point.ctx_lens[s]:].transpose(1, 0, 2))
+    k_new, v_new = mx.concatenate(k_new), mx.concatenate(v_new)
+    mx.eval(k_cache, v_cache, q, k_seqs, v_seqs, q_seqs, k_new, v_new)
+    return Case(q, k_new, v_new, k_cache, v_cache, meta, k_seqs, v_seqs, q_seqs)
 
 
 def ceiling_fn(case: Case, scale: float):
@@ -111,6 +123,30 @@ def ceiling_fn(case: Case, scale: float):
         mx.fast.scaled_dot_product_attention(q, k, v, scale=scale,
                                              mask="causal" if q.shape[2] > 1 else None)
         for q, k, v in zip(case.q_seqs, case.k_seqs, case.v_seqs)]
+
+
+def path_fns(case: Case, backend_name: str | None) -> dict:
+    """Each path as a zero-argument call, plans built once (as a forward would)."""
+    m, g = case.meta, GEOMETRY
+    cu, lens, tables = m.cu_seqlens_q_host, m.seq_lens_host, m.block_tables
+    args = (case.q, case.k_new, case.v_new, case.k_cache, case.v_cache)
+    fns = {"ceiling": ceiling_fn(case, g.scale),
+           "reference": lambda: reference.paged_attention(case.q, case.k_cache, case.v_cache,
+                                                          tables, cu, lens, g.scale)}
+    sdpa_plan = plan_sdpa(cu, lens, g)
+    backend = available_backends().get(backend_name)
+    gather = backend.gather if backend else None
+    fns["sdpa"] = lambda: sdpa_attention(*args, tables, sdpa_plan, gather)
+    if backend:
+        plan = backend.attention.plan(cu, lens, g)
+        fns["kernel"] = lambda: backend.attention(case.q, case.k_cache, case.v_cache, tables,
+                                                  plan)
+        if sdpa_plan.gather.seqs:
+            fns["gather"] = lambda: backend.gather(case.k_cache, case.v_cache, tables,
+                                                   sdpa_plan.gather)
+    auto = Dispatcher("auto").plan(m, g)
+    fns["auto"] = lambda: auto(*args)
+    return fns, auto.choice.path
 
 
 def time_per_call(fn, budget_s: float = 0.03, samples: int = 5) -> float:
@@ -128,57 +164,46 @@ def time_per_call(fn, budget_s: float = 0.03, samples: int = 5) -> float:
     return statistics.median(times)
 
 
-def point_cost(point: Point) -> tuple[float, float]:
-    """(FLOPs, bytes) of one call at this point."""
+def point_cost(point: Point) -> tuple[float, float, float]:
+    """(FLOPs, bytes moved by attention, bytes read + written by the gather) of one call."""
     flops = sum(4 * HEADS * HEAD_DIM * lq * (c + (lq + 1) / 2)
                 for lq, c in zip(point.q_lens, point.ctx_lens))
     elem = 2  # bf16
     kv = sum(2 * (lq + c) * KV_HEADS * HEAD_DIM * elem for lq, c in zip(point.q_lens, point.ctx_lens))
     qo = 2 * sum(point.q_lens) * HEADS * HEAD_DIM * elem
-    return flops, kv + qo
+    gathered = sum(2 * 2 * (lq + c) * KV_HEADS * HEAD_DIM * elem
+                   for lq, c in zip(point.q_lens, point.ctx_lens) if c > 0)
+    return flops, kv + qo, gathered
 
 
-def run_point(point: Point, kernel_name: str | None) -> dict:
+def run_point(point: Point, backend_name: str | None) -> dict:
     case = make_case(point)
-    scale = HEAD_DIM ** -0.5
-    args = (case.q, case.k_cache, case.v_cache, case.meta, scale)
-    paths = {"reference": lambda: reference.paged_attention(*args),
-             "ceiling": ceiling_fn(case, scale)}
-    auto = Dispatcher(path="auto")
-    if kernel_name:
-        kernel = available_backends()[kernel_name].paged_attention
-        paths["kernel"] = lambda: kernel(*args)
-        paths["auto"] = lambda: auto(*args)
-    flops, nbytes = point_cost(point)
+    fns, auto_path = path_fns(case, backend_name)
+    flops, nbytes, gathered = point_cost(point)
     row = {"point": point.name, "q_lens": point.q_lens, "ctx_lens": point.ctx_lens,
-           "flops": flops, "bytes": nbytes}
-    for name, fn in paths.items():
+           "flops": flops, "bytes": nbytes, "gather_bytes": gathered, "auto_path": auto_path}
+    for name, fn in fns.items():
         sec = time_per_call(fn)
-        row[name] = {"us": sec * 1e6, "tflops": flops / sec / 1e12, "gbps": nbytes / sec / 1e9}
-    if kernel_name:
-        row["auto_path"] = auto.last.path
-        row["ref_over_kernel"] = row["reference"]["us"] / row["kernel"]["us"]
-        row["kernel_over_ceiling"] = row["kernel"]["us"] / row["ceiling"]["us"]
-    del case
+        moved = gathered if name == "gather" else nbytes
+        row[name] = {"us": sec * 1e6, "tflops": flops / sec / 1e12, "gbps": moved / sec / 1e9}
+    row["auto_over_ceiling"] = row["auto"]["us"] / row["ceiling"]["us"]
+    del case, fns
     mx.clear_cache()
     return row
 
 
+COLUMNS = ("ceiling", "reference", "sdpa", "kernel", "auto")
+
+
 def print_table(rows: list[dict]) -> None:
-    has_kernel = "kernel" in rows[0]
-    head = f"{'point':<16}{'ref us':>10}{'ceil us':>10}"
-    if has_kernel:
-        head += f"{'kern us':>10}{'auto us':>10}{'kern TF/s':>10}{'kern GB/s':>10}" \
-                f"{'ref/kern':>9}{'kern/ceil':>10}  auto"
-    print(head)
+    cols = [c for c in COLUMNS if c in rows[0]]
+    print(f"{'point':<16}" + "".join(f"{c + ' us':>12}" for c in cols)
+          + f"{'kern GB/s':>10}{'gather GB/s':>12}{'auto/ceil':>10}  auto path")
     for r in rows:
-        line = f"{r['point']:<16}{r['reference']['us']:>10.1f}{r['ceiling']['us']:>10.1f}"
-        if has_kernel:
-            k = r["kernel"]
-            line += f"{k['us']:>10.1f}{r['auto']['us']:>10.1f}{k['tflops']:>10.1f}" \
-                    f"{k['gbps']:>10.0f}{r['ref_over_kernel']:>9.2f}" \
-                    f"{r['kernel_over_ceiling']:>10.2f}  {r['auto_path']}"
-        print(line, flush=True)
+        kern = f"{r['kernel']['gbps']:>10.0f}" if "kernel" in r else f"{'-':>10}"
+        gath = f"{r['gather']['gbps']:>12.0f}" if "gather" in r else f"{'-':>12}"
+        print(f"{r['point']:<16}" + "".join(f"{r[c]['us']:>12.1f}" for c in cols) + kern + gath
+              + f"{r['auto_over_ceiling']:>10.2f}  {r['auto_path']}", flush=True)
 
 
 def main() -> None:
@@ -187,16 +212,15 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="small sizes (CPU smoke run)")
     parser.add_argument("--only", default="", help="comma-separated point names to run")
     args = parser.parse_args()
-    backends = available_backends()
-    kernel_name = next(iter(backends), None)
-    quick = args.quick or kernel_name is None
+    backend_name = next(iter(available_backends()), None)
+    quick = args.quick or backend_name is None
     points = [p for p in sweep_points(quick) if not args.only or p.name in args.only.split(",")]
     rows = []
     for p in points:
-        rows.append(run_point(p, kernel_name))
+        rows.append(run_point(p, backend_name))
         print(f"{p.name}: done", flush=True)
     print_table(rows)
-    info = {"device": mx.device_info(), "kernel": kernel_name, "quick": quick,
+    info = {"device": mx.device_info(), "backend": backend_name, "quick": quick,
             "dtype": str(DTYPE), "heads": HEADS, "kv_heads": KV_HEADS, "head_dim": HEAD_DIM,
             "block_size": BLOCK_SIZE}
     with open(args.out, "w") as f:

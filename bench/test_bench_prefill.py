@@ -1,11 +1,17 @@
-"""pytest-benchmark: one prompt's prefill through the paged runner, by cached-prefix length.
+"""pytest-benchmark: one prompt's prefill, paged runner vs mlx-lm's contiguous prompt cache.
 
-Side by side in one run: the same prompt with no hit, half of it cached and 7/8 of it
-cached (a 90%-shared prefix rounded down to whole blocks), so the ratios are the prefill
-compute the prefix cache saves per request. On CPU: the demo model, 512 tokens, fp32,
-reference attention. With a GPU kernel backend: a ~1.2B Llama config, 4096 tokens, bf16,
-each hit timed with the attention path forced to the reference and in auto (the dispatcher's
-choice), since only GPU timings are meaningful in absolute terms.
+Side by side in one run, same weights and tokens: for each model and prompt length, the prompt
+with 0%, 50%, 87.5% and 90% of it already cached (hits rounded down to whole blocks, as vLLM's
+scheduler hands them out), prefilled by
+
+  mlx-lm    mlx-lm's own model and KVCache: the prefix prefilled once, then the suffix forwarded
+            (hidden states, the vocabulary projection of the last row only) and trimmed again;
+  auto      the paged runner, attention path chosen by the dispatcher;
+  sdpa / kernel   the paged runner with the path forced (GPU only), to re-measure the rule.
+
+Both evaluate the logits and every cache write. With a GPU kernel backend the shapes are a
+1.1B Llama config at 4096 tokens and Llama-3-8B's shape at 4096 and 16384 (bf16); on the CPU,
+the demo model at 512 tokens (fp32), where only the ratios mean anything.
 """
 
 from __future__ import annotations
@@ -13,6 +19,7 @@ from __future__ import annotations
 import mlx.core as mx
 import numpy as np
 import pytest
+from mlx_lm.models.cache import make_prompt_cache
 
 from jit_kernels import available_backends
 from paged_prefix.dispatch import Dispatcher
@@ -22,39 +29,95 @@ from paged_prefix.models import build_model, resolve_config
 from paged_prefix.runner import PagedModelRunner
 
 GPU = bool(available_backends())
-MODEL, PROMPT_LEN, DTYPE = ("llama-1b", 4096, mx.bfloat16) if GPU else ("llama-tiny", 512, mx.float32)
 BLOCK_SIZE = 16
-HITS = [0, PROMPT_LEN // 2, PROMPT_LEN * 7 // 8]
-PATHS = ["reference", "auto"] if GPU else ["reference"]
+SHAPES = [("llama-1b", 4096), ("llama-8b", 4096), ("llama-8b", 16384)] if GPU else \
+    [("llama-tiny", 512)]
+DTYPE = mx.bfloat16 if GPU else mx.float32
+HIT_FRACTIONS = (0.0, 0.5, 0.875, 0.9)
+IMPLS = ("mlx-lm", "auto", "sdpa", "kernel") if GPU else ("mlx-lm", "auto")
+ROUNDS = 5
 
 
-@pytest.fixture(scope="module")
-def setup():
-    cfg = resolve_config(MODEL)
-    kv = PagedKVCache(cfg["num_hidden_layers"], PROMPT_LEN // BLOCK_SIZE + 1, BLOCK_SIZE,
-                      cfg["num_key_value_heads"], cfg["head_dim"], DTYPE)
-    runner = PagedModelRunner(build_model(cfg, DTYPE), kv)
-    prompt = np.random.default_rng(0).integers(3, cfg["vocab_size"], PROMPT_LEN).tolist()
-    blocks = list(range(1, PROMPT_LEN // BLOCK_SIZE + 1))
-    # Fill the cache once so a hit reads real prefix K/V; timed rounds rewrite the same
-    # suffix slots with the same values.
-    runner.greedy(build_batch_metadata(
-        [ScheduledRequest("warm", prompt, PROMPT_LEN, 0, PROMPT_LEN, blocks)], BLOCK_SIZE,
-        kv.num_blocks))
-    return runner, prompt, blocks
+def hit_tokens(prompt_len: int, fraction: float) -> int:
+    return int(prompt_len * fraction) // BLOCK_SIZE * BLOCK_SIZE
 
 
-@pytest.mark.parametrize("path", PATHS)
-@pytest.mark.parametrize("hit", HITS)
-def test_prefill(benchmark, setup, hit, path):
-    runner, prompt, blocks = setup
-    runner.dispatcher = Dispatcher(path)
-    meta = build_batch_metadata(
-        [ScheduledRequest("r", prompt, PROMPT_LEN, hit, PROMPT_LEN - hit, blocks)], BLOCK_SIZE,
-        runner.kv_cache.num_blocks)
-    benchmark.group = f"prefill {PROMPT_LEN} tokens ({MODEL}, {DTYPE})"
-    before = runner.stats.tokens_computed
-    benchmark.pedantic(runner.greedy, args=(meta,), rounds=5, warmup_rounds=1)
-    assert runner.stats.tokens_computed - before == 6 * (PROMPT_LEN - hit)  # suffix only
-    benchmark.extra_info.update(hit=hit, path=runner.dispatcher.last.path,
-                                tokens_computed=PROMPT_LEN - hit)
+class Setup:
+    """One model's weights shared by an unpatched mlx-lm model and a paged runner."""
+
+    def __init__(self, name: str, prompt_len: int):
+        cfg = resolve_config(name)
+        self.name, self.prompt_len = name, prompt_len
+        self.dense = build_model(cfg, DTYPE)
+        paged = build_model(cfg, DTYPE, evaluate=False)
+        paged.update(self.dense.parameters())  # the same arrays, not a copy
+        num_blocks = prompt_len // BLOCK_SIZE + 1
+        kv = PagedKVCache(cfg["num_hidden_layers"], num_blocks, BLOCK_SIZE,
+                          cfg["num_key_value_heads"], cfg["head_dim"], DTYPE)
+        self.runner = PagedModelRunner(paged, kv)
+        self.prompt = np.random.default_rng(0).integers(3, cfg["vocab_size"], prompt_len).tolist()
+        self.blocks = list(range(1, num_blocks))
+        self.cache = make_prompt_cache(self.dense)
+        # Fill the paged cache once so a hit reads real prefix K/V; timed rounds rewrite the
+        # same suffix slots with the same values.
+        self.runner.greedy(self.meta(0))
+
+    def meta(self, hit: int):
+        return build_batch_metadata([ScheduledRequest(
+            "r", self.prompt, self.prompt_len, hit, self.prompt_len - hit, self.blocks)],
+            BLOCK_SIZE, len(self.blocks) + 1)
+
+    def mlx_lm_prefill(self, hit: int):
+        """Prefill the prefix into mlx-lm's cache (untimed); returns the timed suffix step."""
+        for c in self.cache:
+            c.trim(c.offset)
+        if hit:
+            self.dense.model(mx.array([self.prompt[:hit]]), cache=self.cache)
+            mx.eval([c.state for c in self.cache])
+        suffix = mx.array([self.prompt[hit:]])
+
+        def step():
+            hidden = self.dense.model(suffix, cache=self.cache)
+            logits = self.dense.lm_head(hidden[:, -1])
+            mx.eval(logits, [c.state for c in self.cache])
+            for c in self.cache:
+                c.trim(self.prompt_len - hit)
+        return step
+
+    def paged_prefill(self, hit: int, path: str):
+        self.runner.dispatcher = Dispatcher(path)
+        meta = self.meta(hit)
+
+        def step():
+            mx.eval(self.runner.forward(meta), self.runner.kv_cache.arrays())
+        return step
+
+
+_SETUPS: dict[tuple, Setup] = {}
+
+
+def setup_for(name: str, prompt_len: int) -> Setup:
+    if (name, prompt_len) not in _SETUPS:
+        _SETUPS.clear()
+        mx.clear_cache()
+        _SETUPS[(name, prompt_len)] = Setup(name, prompt_len)
+    return _SETUPS[(name, prompt_len)]
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.parametrize("fraction", HIT_FRACTIONS, ids=lambda f: f"hit{f:g}")
+@pytest.mark.parametrize("name, prompt_len", SHAPES, ids=[f"{n}-{p}" for n, p in SHAPES])
+def test_prefill(benchmark, name, prompt_len, fraction, impl):
+    s = setup_for(name, prompt_len)
+    hit = hit_tokens(prompt_len, fraction)
+    if impl == "kernel" and fraction == 0.0:
+        pytest.skip("nothing cached: the kernel path is never chosen")
+    step = s.mlx_lm_prefill(hit) if impl == "mlx-lm" else s.paged_prefill(
+        hit, {"kernel": next(iter(available_backends()), "auto")}.get(impl, impl))
+    benchmark.group = f"{name} {prompt_len} tokens, hit {hit}"
+    before = s.runner.stats.tokens_computed
+    benchmark.pedantic(step, rounds=ROUNDS, warmup_rounds=1)
+    if impl != "mlx-lm":
+        assert s.runner.stats.tokens_computed - before == (ROUNDS + 1) * (prompt_len - hit)
+        benchmark.extra_info["path"] = s.runner.dispatcher.last.path
+    benchmark.extra_info.update(model=name, prompt_len=prompt_len, hit=hit, impl=impl)

@@ -17,23 +17,24 @@ import numpy as np
 import reference
 
 from .page_gather import GatherPlan, PageGather, plan_gather
-from .support import Geometry, check_call
+from .support import Geometry, Lengths, check_call
 
 
 @dataclass(frozen=True)
 class SdpaPlan:
     geometry: Geometry
-    cu_seqlens_q: np.ndarray
-    seq_lens: np.ndarray
+    lengths: Lengths
+    rows: tuple[tuple[int, int], ...]  # each sequence's rows of q: (start, end)
     gather: GatherPlan  # the sequences with a cached prefix, in batch order
 
 
 def plan_sdpa(cu_seqlens_q: np.ndarray, seq_lens: np.ndarray, geometry: Geometry) -> SdpaPlan:
-    cu = np.asarray(cu_seqlens_q, dtype=np.int64)
-    lens = np.asarray(seq_lens, dtype=np.int64)
+    lengths = Lengths.of(cu_seqlens_q, seq_lens)
+    cu, lens = lengths.cu_seqlens_q, lengths.seq_lens
     cached = [s for s in range(len(lens)) if lens[s] > cu[s + 1] - cu[s]]
-    return SdpaPlan(geometry, cu, lens, plan_gather(lens, cached, geometry.block_size,
-                                                    geometry.num_kv_heads, geometry.head_dim))
+    rows = tuple((int(a), int(b)) for a, b in zip(cu[:-1], cu[1:]))
+    return SdpaPlan(geometry, lengths, rows, plan_gather(lens, cached, geometry.block_size,
+                                                         geometry.num_kv_heads, geometry.head_dim))
 
 
 def sdpa_attention(
@@ -41,12 +42,11 @@ def sdpa_attention(
     block_tables: mx.array, plan: SdpaPlan, gather: PageGather | None = None,
 ) -> mx.array:
     """out [T, H, D]; `gather` None copies prefixes with MLX's take. No host sync."""
-    check_call("sdpa", plan.geometry, q, k_cache, v_cache, block_tables, plan.cu_seqlens_q,
-               plan.seq_lens)
+    check_call("sdpa", plan.geometry, q, k_cache, v_cache, block_tables, plan.lengths)
     want = (q.shape[0], k_cache.shape[2], k_cache.shape[3])
     if k.shape != want or v.shape != want:
         raise ValueError(f"k, v: new rows must be {want}, got {k.shape} and {v.shape}")
-    g, cu = plan.gather, plan.cu_seqlens_q
+    g = plan.gather
     if not g.seqs:
         gathered = []
     elif gather is None:
@@ -55,15 +55,17 @@ def sdpa_attention(
     else:
         gathered = gather(k_cache, v_cache, block_tables, g)
     by_seq = dict(zip(g.seqs, gathered))
+    whole = len(plan.rows) == 1  # one sequence: no slicing (each slice is an op per layer)
     outs = []
-    for s in range(len(plan.seq_lens)):
-        start, end = int(cu[s]), int(cu[s + 1])
+    for s, (start, end) in enumerate(plan.rows):
         if s in by_seq:
             ks, vs = by_seq[s]
-        else:  # the cache's dtype, so both sources give the same numbers
-            ks = k[start:end].astype(k_cache.dtype).transpose(1, 0, 2)
-            vs = v[start:end].astype(v_cache.dtype).transpose(1, 0, 2)
-        qs = q[start:end].transpose(1, 0, 2)[None]  # [1, H, Lq, D]
+        else:  # in the cache's dtype, so both sources give the same numbers
+            ks, vs = (x if whole else x[start:end] for x in (k, v))
+            if ks.dtype != k_cache.dtype:
+                ks, vs = ks.astype(k_cache.dtype), vs.astype(k_cache.dtype)
+            ks, vs = ks.transpose(1, 0, 2), vs.transpose(1, 0, 2)
+        qs = (q if whole else q[start:end]).transpose(1, 0, 2)[None]  # [1, H, Lq, D]
         outs.append(reference.sdpa(qs, ks[None], vs[None], plan.geometry.scale)[0]
                     .transpose(1, 0, 2))
-    return outs[0] if len(outs) == 1 else mx.concatenate(outs, axis=0)
+    return outs[0] if whole else mx.concatenate(outs, axis=0)

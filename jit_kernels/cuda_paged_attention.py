@@ -325,8 +325,7 @@ class CudaAttentionPlan:
     """One forward's launch plan: built once from host arrays, read by every layer."""
 
     geometry: Geometry
-    cu_seqlens_q: np.ndarray
-    seq_lens: np.ndarray
+    lengths: support.Lengths
     block_m: int
     tiles: tile_plan.TilePlan
     qk_scale: mx.array  # float32 [1]
@@ -353,15 +352,15 @@ class CudaPagedAttention:
         why_not = self.unsupported_reason(geometry)
         if why_not:
             raise ValueError(f"cuda paged attention cannot run this geometry: {why_not}")
-        cu = np.asarray(cu_seqlens_q, dtype=np.int64)
+        lengths = support.Lengths.of(cu_seqlens_q, seq_lens)
         group, num_kv_heads = geometry.group, geometry.num_kv_heads
-        block_m = choose_block_m(int(cu[-1]), group, num_kv_heads)
+        block_m = choose_block_m(lengths.num_tokens, group, num_kv_heads)
         # 128-row plans are chosen only when they fill the GPU: never split them
-        tiles = tile_plan.build_tile_plan(cu, seq_lens, group, num_kv_heads, block_m, BLOCK_N,
-                                          NUM_SMS, min_items=0 if block_m == 128 else None)
+        tiles = tile_plan.build_tile_plan(lengths.cu_seqlens_q, lengths.seq_lens, group,
+                                          num_kv_heads, block_m, BLOCK_N, NUM_SMS,
+                                          min_items=0 if block_m == 128 else None)
         return CudaAttentionPlan(
-            geometry=geometry, cu_seqlens_q=cu, seq_lens=np.asarray(seq_lens, dtype=np.int64),
-            block_m=block_m, tiles=tiles,
+            geometry=geometry, lengths=lengths, block_m=block_m, tiles=tiles,
             qk_scale=mx.array([geometry.scale * LOG2E], dtype=mx.float32),
             counters=mx.zeros((max(tiles.num_tiles, 1),), dtype=mx.int32))
 
@@ -386,8 +385,7 @@ class CudaPagedAttention:
                  block_tables: mx.array, plan: CudaAttentionPlan) -> mx.array:
         """The contract of `reference.contract` in one launch; no host sync."""
         g = plan.geometry
-        support.check_call("cuda", g, q, k_cache, v_cache, block_tables, plan.cu_seqlens_q,
-                           plan.seq_lens)
+        support.check_call("cuda", g, q, k_cache, v_cache, block_tables, plan.lengths)
         tiles, block_m = plan.tiles, plan.block_m
         slots = max(tiles.num_slots, 1)  # outputs cannot be empty; unused when nothing is split
         return self._kernel(g, block_m)(

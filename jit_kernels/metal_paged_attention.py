@@ -246,8 +246,7 @@ class MetalAttentionPlan:
     """One forward's launch plan: built once from host arrays, read by every layer."""
 
     geometry: Geometry
-    cu_seqlens_q: np.ndarray
-    seq_lens: np.ndarray
+    lengths: support.Lengths
     tiles: tile_plan.TilePlan
     qk_scale: mx.array  # float32 [1]: scale * log2(e), folded into Q
 
@@ -272,12 +271,13 @@ class MetalPagedAttention:
         why_not = self.unsupported_reason(geometry)
         if why_not:
             raise ValueError(f"metal paged attention cannot run this geometry: {why_not}")
-        cu = np.asarray(cu_seqlens_q, dtype=np.int64)
-        tiles = tile_plan.build_tile_plan(cu, seq_lens, geometry.group, geometry.num_kv_heads,
-                                          BLOCK_Q, BLOCK_N[geometry.head_dim], GPU_CORES)
+        lengths = support.Lengths.of(cu_seqlens_q, seq_lens)
+        tiles = tile_plan.build_tile_plan(lengths.cu_seqlens_q, lengths.seq_lens, geometry.group,
+                                          geometry.num_kv_heads, BLOCK_Q,
+                                          BLOCK_N[geometry.head_dim], GPU_CORES)
         return MetalAttentionPlan(
-            geometry=geometry, cu_seqlens_q=cu, seq_lens=np.asarray(seq_lens, dtype=np.int64),
-            tiles=tiles, qk_scale=mx.array([geometry.scale * LOG2E], dtype=mx.float32))
+            geometry=geometry, lengths=lengths, tiles=tiles,
+            qk_scale=mx.array([geometry.scale * LOG2E], dtype=mx.float32))
 
     def _kernel(self, kind: str, g: Geometry):
         key = (kind, g.dtype, g.head_dim, g.group, g.block_size)
@@ -299,8 +299,7 @@ class MetalPagedAttention:
                  block_tables: mx.array, plan: MetalAttentionPlan) -> mx.array:
         """The contract of `reference.contract` in one launch (two when KV is split)."""
         g = plan.geometry
-        support.check_call("metal", g, q, k_cache, v_cache, block_tables, plan.cu_seqlens_q,
-                           plan.seq_lens)
+        support.check_call("metal", g, q, k_cache, v_cache, block_tables, plan.lengths)
         tiles = plan.tiles
         slots = max(tiles.num_slots, 1)  # outputs cannot be empty; unused when nothing is split
         out, o_part, lse_part = self._kernel("attention", g)(

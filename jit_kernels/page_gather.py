@@ -30,7 +30,7 @@ _COPY = r"""
   constexpr int VEC = 16 / sizeof(T);
   auto row = pages + PAGE_INDEX * PAGE_NCOLS;  // MLX passes a one-page list as `constant`
   const int seq = row[P_SEQ], page = row[P_PAGE], seq_len = row[P_SEQ_LEN];
-  const int hkv = k_cache_shape[2], d = k_cache_shape[3];
+  constexpr int hkv = HKV, d = D;  // compile-time: the index arithmetic below is shifts
   const long block = block_tables[long(seq) * block_tables_shape[1] + page];
   const int rows = min(BS, seq_len - page * BS);
   const long page_elems = long(BS) * hkv * d;
@@ -58,7 +58,8 @@ _COPY = r"""
 # Inputs:  k_cache, v_cache [num_blocks, BS, Hkv, D] T; block_tables [S, max_blocks] int32;
 #          pages [num_pages, 4] int32 (PAGE_COLS), one row per page to copy.
 # Outputs: k_out, v_out [sum of Hkv * L * D over gathered sequences] T.
-# Grid: one threadblock (threadgroup) of THREADS threads per page. Template: T, BS.
+# Grid: one threadblock (threadgroup) of THREADS threads per page. Template: T, BS, HKV, D,
+# UNROLL.
 CUDA_SOURCE = (
     "#define PAGE_INDEX blockIdx.x\n#define THREAD_INDEX int(threadIdx.x)\n"
     "#define DEVICE\n#define VEC_T uint4\n"
@@ -69,7 +70,7 @@ METAL_SOURCE = (
     "#define THREAD_INDEX int(thread_index_in_threadgroup)\n"
     "#define DEVICE device\n#define VEC_T uint4\n" + _COPY
 )
-HEADER = (f"constexpr int NTHREADS = {THREADS}, UNROLL = {UNROLL}, "
+HEADER = (f"constexpr int NTHREADS = {THREADS}, "
           f"PAGE_NCOLS = {len(PAGE_COLS)};\n{column_constants('P_', PAGE_COLS, 'constexpr int')}\n")
 METAL_HEADER = HEADER.replace("constexpr", "constant constexpr")
 
@@ -112,14 +113,15 @@ class PageGather:
             return f"rows of {head_dim} x {dtype} are not a multiple of 16 bytes"
         return None
 
-    def _kernel(self, dtype: mx.Dtype, block_size: int):
-        key = (dtype, block_size)
+    def _kernel(self, dtype: mx.Dtype, block_size: int, num_kv_heads: int, head_dim: int):
+        key = (dtype, block_size, num_kv_heads, head_dim)
         if key not in self._kernels:
             metal = self.backend == "metal"
             source, header = (METAL_SOURCE, METAL_HEADER) if metal else (CUDA_SOURCE, HEADER)
             self._kernels[key] = self._factory(
                 name=f"page_gather_{support.source_hash(header, source)}_"
-                     f"{support.dtype_name(dtype)}_b{block_size}",
+                     f"{support.dtype_name(dtype)}_b{block_size}_h{num_kv_heads}_d{head_dim}"
+                     f"_u{UNROLL}",
                 input_names=["k_cache", "v_cache", "block_tables", "pages"],
                 output_names=["k_out", "v_out"], source=source, header=header)
         return self._kernels[key]
@@ -132,9 +134,10 @@ class PageGather:
         if why_not:
             raise ValueError(f"page gather: {why_not}")
         total = plan.offsets[-1]
-        k_out, v_out = self._kernel(k_cache.dtype, block_size)(
+        k_out, v_out = self._kernel(k_cache.dtype, block_size, num_kv_heads, head_dim)(
             inputs=[k_cache, v_cache, block_tables, plan.pages],
-            template=[("T", k_cache.dtype), ("BS", block_size)],
+            template=[("T", k_cache.dtype), ("BS", block_size), ("HKV", num_kv_heads),
+                      ("D", head_dim), ("UNROLL", UNROLL)],
             grid=(plan.num_pages * THREADS, 1, 1), threadgroup=(THREADS, 1, 1),
             output_shapes=[(total,), (total,)], output_dtypes=[k_cache.dtype] * 2)
         return [(k_out[a:b].reshape(num_kv_heads, n, head_dim),

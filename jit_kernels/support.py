@@ -12,7 +12,7 @@ from dataclasses import dataclass
 import mlx.core as mx
 import numpy as np
 
-from reference import check_paged_inputs
+from reference import check_arrays, check_lengths
 
 DTYPES = (mx.float16, mx.bfloat16)
 BLOCK_SIZES = (8, 16, 32)
@@ -61,11 +61,28 @@ def unsupported_reason(geometry: Geometry, head_dims: tuple[int, ...]) -> str | 
     return None
 
 
+@dataclass(frozen=True)
+class Lengths:
+    """A batch's host lengths, validated once per forward by a planner."""
+
+    cu_seqlens_q: np.ndarray
+    seq_lens: np.ndarray
+    num_tokens: int
+    max_seq_len: int
+
+    @classmethod
+    def of(cls, cu_seqlens_q: np.ndarray, seq_lens: np.ndarray) -> Lengths:
+        cu = np.asarray(cu_seqlens_q, dtype=np.int64)
+        lens = np.asarray(seq_lens, dtype=np.int64)
+        check_lengths(cu, lens)
+        return cls(cu, lens, int(cu[-1]), int(lens.max()))
+
+
 def check_call(backend: str, geometry: Geometry, q: mx.array, k_cache: mx.array,
-               v_cache: mx.array, block_tables: mx.array, cu_seqlens_q: np.ndarray,
-               seq_lens: np.ndarray) -> None:
-    """A kernel's entry check: the contract, then that the arrays match the plan's geometry."""
-    check_paged_inputs(q, k_cache, v_cache, block_tables, cu_seqlens_q, seq_lens)
+               v_cache: mx.array, block_tables: mx.array, lengths: Lengths) -> None:
+    """A kernel's per-call entry check (shapes only): the contract, then the plan's geometry."""
+    check_arrays(q, k_cache, v_cache, block_tables, lengths.num_tokens,
+                 len(lengths.seq_lens), lengths.max_seq_len)
     _, block_size, num_kv_heads, head_dim = k_cache.shape
     got = (q.shape[1], num_kv_heads, head_dim, block_size, q.dtype)
     want = (geometry.num_heads, geometry.num_kv_heads, geometry.head_dim, geometry.block_size,

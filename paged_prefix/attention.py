@@ -54,26 +54,27 @@ class PagedAttention(nn.Module):
         self.scale = attn.scale
         self.layer = layer
 
-    def _rope(self, x: mx.array, positions: mx.array) -> mx.array:
-        # Each token is its own batch row so that it can carry its own offset.
-        return self.rope(x[:, :, None, :], offset=positions)[:, :, 0, :]
-
     def __call__(self, x: mx.array, mask=None, cache: ForwardContext | None = None) -> mx.array:
         if not isinstance(cache, ForwardContext):
             raise ValueError("cache: PagedAttention runs only inside PagedModelRunner.forward")
         _, num_tokens, _ = x.shape  # x: [1, T, hidden], all sequences packed
-        q = self.q_proj(x).reshape(num_tokens, self.n_heads, -1)
-        k = self.k_proj(x).reshape(num_tokens, self.n_kv_heads, -1)
+        # [T, heads, 1, D]: each token its own RoPE batch row, so it carries its own offset
+        q = self.q_proj(x).reshape(num_tokens, self.n_heads, 1, -1)
+        k = self.k_proj(x).reshape(num_tokens, self.n_kv_heads, 1, -1)
         v = self.v_proj(x).reshape(num_tokens, self.n_kv_heads, -1)
         if "q_norm" in self:
             q, k = self.q_norm(q), self.k_norm(k)
         positions = cache.meta.positions
-        q = self._rope(q, positions)
-        k = self._rope(k, positions)
+        q = self.rope(q, offset=positions).reshape(num_tokens, self.n_heads, -1)
+        k = self.rope(k, offset=positions).reshape(num_tokens, self.n_kv_heads, -1)
         cache.kv_cache.write(self.layer, k, v, cache.slots)
         k_cache, v_cache = cache.kv_cache.blocks(self.layer)
-        out = cache.attention(q.astype(k_cache.dtype), k, v, k_cache, v_cache)
-        return self.o_proj(out.astype(x.dtype).reshape(1, num_tokens, -1))
+        if q.dtype != k_cache.dtype:
+            q = q.astype(k_cache.dtype)
+        out = cache.attention(q, k, v, k_cache, v_cache)
+        if out.dtype != x.dtype:
+            out = out.astype(x.dtype)
+        return self.o_proj(out.reshape(1, num_tokens, -1))
 
 
 def patch_attention(model: nn.Module) -> int:

@@ -6,6 +6,11 @@ updates a scatter target in place only when the target is the sole owner of its 
 array that this object alone holds is donated to the scatter, while scattering through a
 reshaped view copies the whole cache first. `blocks()` hands out the 4D view (a free reshape).
 
+Rows are stored as 8-byte words (a bf16 row of 128 values is 32 uint64): MLX's scatter moves
+one element per thread, so wider elements write the same bytes 4x faster (bf16 on an H200:
+146 us -> ~37 us for 4096 rows of K and V); readers get the cache dtype back through a
+zero-copy `view`.
+
 Writes take `Slots`, validated once per forward against this cache on the host (no padding
 slots: every row written is a real token), so the per-layer write needs no host sync and an
 out-of-range slot can never reach MLX's scatter, which does not bound-check.
@@ -57,8 +62,12 @@ class PagedKVCache:
         self.head_dim = head_dim
         self.dtype = dtype
         rows = num_blocks * block_size
-        self._k = [mx.zeros((rows, num_kv_heads, head_dim), dtype) for _ in range(num_layers)]
-        self._v = [mx.zeros((rows, num_kv_heads, head_dim), dtype) for _ in range(num_layers)]
+        # 8-byte words when a head's row divides into them (any head_dim % 4 == 0)
+        wide = head_dim * dtype.size % 8 == 0
+        self._storage = mx.uint64 if wide else dtype
+        row = (num_kv_heads, head_dim * dtype.size // 8 if wide else head_dim)
+        self._k = [mx.zeros((rows, *row), self._storage) for _ in range(num_layers)]
+        self._v = [mx.zeros((rows, *row), self._storage) for _ in range(num_layers)]
         mx.eval(self._k, self._v)
 
     @property
@@ -84,8 +93,13 @@ class PagedKVCache:
         want = (slots.count, self.num_kv_heads, self.head_dim)
         if keys.shape != want or values.shape != want:
             raise ValueError(f"keys, values: expected {want}, got {keys.shape} and {values.shape}")
-        self._k[layer][slots.device] = keys.astype(self.dtype)
-        self._v[layer][slots.device] = values.astype(self.dtype)
+        self._k[layer][slots.device] = self._stored(keys)
+        self._v[layer][slots.device] = self._stored(values)
+
+    def _stored(self, rows: mx.array) -> mx.array:
+        if rows.dtype != self.dtype:
+            rows = rows.astype(self.dtype)
+        return rows if self._storage == self.dtype else rows.view(self._storage)
 
     def arrays(self) -> list[mx.array]:
         """Every layer's current K and V arrays, e.g. to evaluate pending writes."""
@@ -108,4 +122,5 @@ class PagedKVCache:
     def blocks(self, layer: int) -> tuple[mx.array, mx.array]:
         """The layer's K and V as `[num_blocks, block_size, num_kv_heads, head_dim]` views."""
         shape = (self.num_blocks, self.block_size, self.num_kv_heads, self.head_dim)
-        return self._k[layer].reshape(shape), self._v[layer].reshape(shape)
+        return (self._k[layer].view(self.dtype).reshape(shape),
+                self._v[layer].view(self.dtype).reshape(shape))

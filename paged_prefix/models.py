@@ -66,13 +66,18 @@ def resolve_config(model: str | dict, **overrides) -> dict:
     return config
 
 
-def build_model(config: dict, dtype: mx.Dtype = mx.float32, seed: int = 0) -> nn.Module:
-    """An mlx-lm model of `config` with weights drawn from `seed`, cast to `dtype`."""
+def build_model(config: dict, dtype: mx.Dtype = mx.float32, seed: int = 0,
+                evaluate: bool = True) -> nn.Module:
+    """An mlx-lm model of `config` with weights drawn from `seed`, cast to `dtype`.
+
+    evaluate=False leaves the weights lazy, for a caller about to replace them (sharing
+    another model's arrays costs no memory then)."""
     module = _MODULES[config["model_type"]]
     mx.random.seed(seed)
     model = module.Model(module.ModelArgs.from_dict(config))
     model.set_dtype(dtype)
-    mx.eval(model.parameters())
+    if evaluate:
+        mx.eval(model.parameters())
     return model
 
 

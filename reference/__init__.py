@@ -3,8 +3,8 @@
 Imports nothing of `paged_prefix` or `jit_kernels`: plain arrays in, arrays out.
 """
 
-from .contract import check_paged_inputs
+from .contract import check_arrays, check_lengths, check_paged_inputs
 from .dense import dense_attention
 from .paged_attention import gather_kv, paged_attention, sdpa
 
-__all__ = ["check_paged_inputs", "dense_attention", "gather_kv", "paged_attention", "sdpa"]
+__all__ = ["check_arrays", "check_lengths", "check_paged_inputs", "dense_attention", "gather_kv", "paged_attention", "sdpa"]

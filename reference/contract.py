@@ -25,11 +25,22 @@ import mlx.core as mx
 import numpy as np
 
 
-def check_paged_inputs(
-    q: mx.array, k_cache: mx.array, v_cache: mx.array, block_tables: mx.array,
-    cu_seqlens_q: np.ndarray, seq_lens: np.ndarray,
-) -> None:
-    """Raise ValueError naming the first input that breaks the contract (no device sync)."""
+def check_lengths(cu_seqlens_q: np.ndarray, seq_lens: np.ndarray) -> None:
+    """The host half of the contract (what a plan checks once per forward)."""
+    num_seqs = len(seq_lens)
+    if len(cu_seqlens_q) != num_seqs + 1 or num_seqs == 0:
+        raise ValueError(f"cu_seqlens_q: expected {num_seqs + 1} entries for {num_seqs} "
+                         f"sequences, got {len(cu_seqlens_q)}")
+    q_lens = np.diff(cu_seqlens_q)
+    if cu_seqlens_q[0] != 0 or (q_lens < 1).any():
+        raise ValueError(f"cu_seqlens_q: must start at 0 and grow by >= 1, got {list(cu_seqlens_q)}")
+    if (np.asarray(seq_lens) < q_lens).any():
+        raise ValueError(f"seq_lens: {list(seq_lens)} shorter than the new tokens {list(q_lens)}")
+
+
+def check_arrays(q: mx.array, k_cache: mx.array, v_cache: mx.array, block_tables: mx.array,
+                 num_tokens: int, num_seqs: int, max_seq_len: int) -> None:
+    """The device half: shapes and dtypes only, cheap enough for every layer's call."""
     if q.ndim != 3:
         raise ValueError(f"q: expected [T, H, D], got shape {q.shape}")
     if k_cache.ndim != 4:
@@ -44,22 +55,23 @@ def check_paged_inputs(
     if q.dtype != k_cache.dtype or v_cache.dtype != k_cache.dtype:
         raise ValueError(
             f"q: dtype {q.dtype} must match k_cache {k_cache.dtype} and v_cache {v_cache.dtype}")
-    num_seqs = len(seq_lens)
-    if len(cu_seqlens_q) != num_seqs + 1 or num_seqs == 0:
-        raise ValueError(f"cu_seqlens_q: expected {num_seqs + 1} entries for {num_seqs} "
-                         f"sequences, got {len(cu_seqlens_q)}")
-    q_lens = np.diff(cu_seqlens_q)
-    if cu_seqlens_q[0] != 0 or (q_lens < 1).any():
-        raise ValueError(f"cu_seqlens_q: must start at 0 and grow by >= 1, got {list(cu_seqlens_q)}")
-    if q.shape[0] != cu_seqlens_q[-1]:
-        raise ValueError(f"q: {q.shape[0]} rows but cu_seqlens_q packs {cu_seqlens_q[-1]} tokens")
-    if (np.asarray(seq_lens) < q_lens).any():
-        raise ValueError(f"seq_lens: {list(seq_lens)} shorter than the new tokens {list(q_lens)}")
+    if q.shape[0] != num_tokens:
+        raise ValueError(f"q: {q.shape[0]} rows but cu_seqlens_q packs {num_tokens} tokens")
     if block_tables.ndim != 2 or block_tables.shape[0] != num_seqs:
         raise ValueError(f"block_tables: expected [{num_seqs}, max_blocks], got {block_tables.shape}")
     if block_tables.dtype != mx.int32:
         raise ValueError(f"block_tables: dtype {block_tables.dtype}, expected int32")
-    needed = -(-int(np.max(seq_lens)) // block_size)
+    needed = -(-max_seq_len // block_size)
     if block_tables.shape[1] < needed:
         raise ValueError(f"block_tables: {block_tables.shape[1]} columns but the longest "
                          f"sequence needs {needed} blocks of {block_size}")
+
+
+def check_paged_inputs(
+    q: mx.array, k_cache: mx.array, v_cache: mx.array, block_tables: mx.array,
+    cu_seqlens_q: np.ndarray, seq_lens: np.ndarray,
+) -> None:
+    """Raise ValueError naming the first input that breaks the contract (no device sync)."""
+    check_lengths(cu_seqlens_q, seq_lens)
+    check_arrays(q, k_cache, v_cache, block_tables, int(cu_seqlens_q[-1]), len(seq_lens),
+                 int(np.max(seq_lens)))

@@ -1,0 +1,57 @@
+"""One-time cost of the first-use check (canary) per kernel variant, on this machine's backend.
+
+    python bench/canary_cost.py [--out canary.json]
+
+For each variant: the first `Dispatcher.plan` of a process (kernel compile + the canary case +
+the reference it is compared with) against a second plan of the same variant (the verdict is
+cached). Needs a GPU kernel backend (CUDA or Metal).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+import mlx.core as mx
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from jit_kernels import available_backends  # noqa: E402
+from jit_kernels.support import Geometry  # noqa: E402
+from paged_prefix.dispatch import Dispatcher  # noqa: E402
+from paged_prefix.metadata import build_attention_metadata  # noqa: E402
+
+VARIANTS = [(mx.bfloat16, 128, 4, 16), (mx.float16, 128, 4, 16), (mx.bfloat16, 64, 4, 16),
+            (mx.bfloat16, 128, 8, 32), (mx.float16, 64, 1, 8)]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", default="canary.json")
+    args = parser.parse_args()
+    backend = next(iter(available_backends()), None)
+    if backend is None:
+        sys.exit("no GPU kernel backend on this machine")
+    rows = []
+    for dtype, head_dim, group, block_size in VARIANTS:
+        g = Geometry(8 * group, 8, head_dim, block_size, dtype, head_dim ** -0.5)
+        meta = build_attention_metadata([16], [4096], [list(range(1, 4112 // block_size + 2))],
+                                        block_size, 4200 // block_size + 4)
+        row = {"variant": f"{dtype} d{head_dim} g{group} b{block_size}"}
+        for path in (backend, "sdpa"):  # the paged kernel, then the page gather
+            times = []
+            for _ in range(2):
+                t0 = time.perf_counter()
+                Dispatcher(path, strict=True).plan(meta, g)
+                times.append((time.perf_counter() - t0) * 1e3)
+            row[f"{path}_first_ms"], row[f"{path}_again_ms"] = times
+        rows.append(row)
+        print(row, flush=True)
+    Path(args.out).write_text(json.dumps(rows, indent=1))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,18 @@
+#!/usr/bin/env bash
+# The CUDA tests and benchmarks in one go, on a Linux machine with an NVIDIA GPU and MLX's
+# CUDA backend (`pip install mlx-cuda-13==0.32.4 mlx-lm==0.32.2 -e '.[test]'`, or `nox -s cuda`).
+# Logs and JSON land in the folder given (default results/cuda).
+set -uo pipefail
+out=${1:-results/cuda}
+mkdir -p "$out"
+export PYTHONUNBUFFERED=1 PAGED_PREFIX_STRICT_KERNELS=1
+nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.max.sm --format=csv | tee "$out/gpu.txt"
+python3 -c "import mlx.core as mx; print('mlx', mx.__version__, mx.default_device(), mx.cuda.is_available())" \
+    | tee -a "$out/gpu.txt"
+python3 -m pytest -q -p no:cacheprovider -m "not emulated" tests/test_kernels.py \
+    tests/test_runner.py tests/test_dispatch.py tests/test_reference.py 2>&1 | tee "$out/pytest.txt"
+python3 bench/canary_cost.py --out "$out/canary.json" 2>&1 | tee -a "$out/gpu.txt"
+python3 bench/attention_sweep.py --out "$out/sweep.json" 2>&1 | tee "$out/sweep.txt"
+python3 -m pytest -q -p no:cacheprovider bench/test_bench_prefill.py --benchmark-only \
+    --benchmark-columns=min,median,mean,rounds --benchmark-sort=name \
+    --benchmark-json="$out/prefill.json" 2>&1 | tee "$out/prefill.txt"
