@@ -246,12 +246,13 @@ class VllmModelRunner:
             state = dataclasses.replace(state, block_ids=state.block_ids + added)
         return state
 
-    @staticmethod
-    def _blocks(groups, req_id: str) -> tuple[int, ...]:
+    def _blocks(self, groups, req_id: str) -> tuple[int, ...]:
+        """One KV-cache group's block ids, each a block of this runner's pool."""
         if not isinstance(groups, (tuple, list)) or len(groups) != 1:
             raise ValueError(f"block_ids: request {req_id!r} must carry exactly one KV-cache "
                              f"group's block list, got {groups!r}")
-        return tuple(as_ints(groups[0], f"block_ids ({req_id!r})", low=0).tolist())
+        return tuple(as_ints(groups[0], f"block_ids ({req_id!r})", low=0,
+                             high=self.runner.kv_cache.num_blocks - 1).tolist())
 
     def _metadata(self, requests: dict[str, _Request], req_ids: list[str],
                   so: SchedulerOutput) -> BatchMetadata:

@@ -1,0 +1,131 @@
+"""`vllm.LLM` through the plugin on the real SmolLM2-135M-Instruct, against mlx-lm itself.
+
+Greedy tokens are identical with prefix caching off and on, on a second pass that hits the
+first pass's blocks, and to mlx-lm's own generation with its contiguous prompt cache;
+logprobs equal log_softmax of mlx-lm's logits; seeded sampling repeats for a seed and
+differs across seeds. vLLM runs in child processes (`serving_llm_driver.py`), one per
+caching setting.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import mlx.core as mx
+import numpy as np
+import pytest
+
+from .serving_llm_driver import GREEDY_TOKENS, SEEDS
+from .serving_support import smollm2
+
+DRIVER = Path(__file__).with_name("serving_llm_driver.py")
+LOGPROB_ATOL = 0.05
+
+
+def run_driver(model: Path, caching: str) -> dict:
+    env = {k: v for k, v in os.environ.items() if k != "VLLM_TARGET_DEVICE"}
+    proc = subprocess.run([sys.executable, str(DRIVER), str(model), caching], env=env,
+                          capture_output=True, text=True, timeout=900)
+    lines = [line for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
+    assert proc.returncode == 0 and lines, f"driver failed ({proc.returncode}):\n{proc.stderr[-4000:]}"
+    assert "Traceback" not in proc.stderr, f"driver logged an error:\n{proc.stderr[-4000:]}"
+    return json.loads(lines[-1][len("RESULT "):])
+
+
+@pytest.fixture(scope="module")
+def model_dir() -> Path:
+    return smollm2()
+
+
+@pytest.fixture(scope="module")
+def runs(model_dir) -> dict:
+    return {caching: run_driver(model_dir, caching) for caching in ("off", "on")}
+
+
+@pytest.fixture(scope="module")
+def mlx_lm_greedy(model_dir, runs) -> list[dict]:
+    """mlx-lm's model with its own prompt cache: greedy tokens and float32 log_softmax."""
+    from mlx_lm import load
+    from mlx_lm.models.cache import make_prompt_cache
+
+    model, _ = load(str(model_dir))
+    out = []
+    for request in runs["off"]["passes"][0]:
+        cache = make_prompt_cache(model)
+        logits = model(mx.array([request["prompt_token_ids"]]), cache=cache)[0, -1]
+        tokens, logprobs = [], []
+        for _ in range(GREEDY_TOKENS):
+            logits = logits.astype(mx.float32)
+            logprobs.append(np.array(logits - mx.logsumexp(logits)))
+            tokens.append(int(mx.argmax(logits).item()))
+            logits = model(mx.array([[tokens[-1]]]), cache=cache)[0, -1]
+        out.append({"token_ids": tokens, "logprobs": logprobs})
+    return out
+
+
+def tokens(run: dict, pass_index: int) -> list[list[int]]:
+    return [r["token_ids"] for r in run["passes"][pass_index]]
+
+
+def test_greedy_tokens_identical_caching_off_on_and_mlx_lm(runs, mlx_lm_greedy):
+    reference = [r["token_ids"] for r in mlx_lm_greedy]
+    assert tokens(runs["off"], 0) == reference
+    assert tokens(runs["off"], 1) == reference
+    assert tokens(runs["on"], 0) == reference
+    assert tokens(runs["on"], 1) == reference
+
+
+def test_mlx_lm_generate_agrees(model_dir, runs):
+    """mlx-lm's own generation (its default greedy sampler) on the first prompt; it stops at
+    the end-of-sequence token, the plugin's run went on (ignore_eos)."""
+    from mlx_lm import load, stream_generate
+
+    model, tokenizer = load(str(model_dir))
+    first = runs["off"]["passes"][0][0]
+    generated = [r.token for r in stream_generate(model, tokenizer, prompt=first["prompt_token_ids"],
+                                                   max_tokens=GREEDY_TOKENS)]
+    assert generated == first["token_ids"][:len(generated)]
+    assert "Paris" in tokenizer.decode(generated)
+
+
+def test_second_pass_reports_cached_tokens(runs):
+    assert all(r["num_cached_tokens"] == 0 for p in runs["off"]["passes"] for r in p)
+    second = runs["on"]["passes"][1]
+    assert all(r["num_cached_tokens"] > 0 for r in second), [r["num_cached_tokens"] for r in second]
+    # whole blocks of the shared prompt, at most all but the last token
+    assert all(r["num_cached_tokens"] % 16 == 0 and r["num_cached_tokens"] < len(r["prompt_token_ids"])
+               for r in second)
+
+
+def test_logprobs_match_log_softmax_of_the_logits(runs, mlx_lm_greedy):
+    """Against mlx-lm's float16 logits: the paged attention and mlx-lm's round differently,
+    by up to a few float16 ulps of the logits (1/64 for |logit| in 16..32), hence the
+    tolerance; the sampler's log_softmax itself is checked exactly in
+    test_serving_sampling.py. A temperature of 2 would change these values by half."""
+    for run in runs.values():
+        for request, reference in zip(run["passes"][0], mlx_lm_greedy):
+            assert len(request["logprobs"]) == GREEDY_TOKENS
+            for step, expected in zip(request["logprobs"], reference["logprobs"]):
+                ids = [int(t) for t in step]
+                assert len(ids) >= 3  # top 3, plus the sampled token when it is not among them
+                np.testing.assert_allclose([step[str(t)] for t in ids], expected[ids],
+                                           atol=LOGPROB_ATOL, rtol=0)
+                assert int(np.argmax(expected)) in ids
+        hot = run["hot_logprobs"]  # temperature 2, top-p 0.5: still the raw log_softmax
+        expected = mlx_lm_greedy[0]["logprobs"][0]
+        ids = [int(t) for t in hot]
+        np.testing.assert_allclose([hot[str(t)] for t in ids], expected[ids],
+                                   atol=LOGPROB_ATOL, rtol=0)
+
+
+def test_seeded_sampling_reproducible_per_seed_and_differs_across_seeds(runs):
+    assert SEEDS[0] == SEEDS[1] != SEEDS[2]
+    for run in runs.values():
+        same, same_again, other = run["seeded"]
+        assert same == same_again
+        assert same != other
+    assert runs["off"]["seeded"] == runs["on"]["seeded"]

@@ -1,0 +1,178 @@
+"""`VllmModelRunner` at the vLLM boundary: a step is all or nothing, bad scheduler input is a
+ValueError naming the field, and no step writes outside the rows it was scheduled to write.
+
+The SchedulerOutputs are vLLM's own dataclasses, built by hand for the malformed cases and by
+vLLM's real Scheduler (through the offline engine) for the write-isolation property.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import mlx.core as mx
+import numpy as np
+import pytest
+import torch
+from vllm.sampling_params import SamplingParams
+from vllm.v1.core.sched.output import CachedRequestData, NewRequestData, SchedulerOutput
+from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec
+
+from paged_prefix.engine import Engine, EngineConfig
+from paged_prefix.models import build_model, resolve_config
+from paged_prefix.vllm_runner import VllmModelRunner
+
+BS, NUM_BLOCKS = 16, 32
+CONFIG = resolve_config("llama-test")
+VOCAB = CONFIG["vocab_size"]
+
+
+def make_runner() -> VllmModelRunner:
+    runner = VllmModelRunner(build_model(CONFIG, mx.float32, seed=0))
+    layers = [f"model.layers.{i}.self_attn.attn" for i in range(CONFIG["num_hidden_layers"])]
+    spec = FullAttentionSpec(block_size=BS, num_kv_heads=CONFIG["num_key_value_heads"],
+                             head_size=CONFIG["head_dim"], dtype=torch.float32)
+    runner.initialize_kv_cache(KVCacheConfig(num_blocks=NUM_BLOCKS, kv_cache_tensors=[],
+                                             kv_cache_groups=[KVCacheGroupSpec(layers, spec)]))
+    return runner
+
+
+def new(req_id, prompt, blocks, computed=0) -> NewRequestData:
+    return NewRequestData(req_id=req_id, prompt_token_ids=prompt, mm_features=[],
+                          sampling_params=SamplingParams(temperature=0.0, max_tokens=8),
+                          pooling_params=None, block_ids=blocks, num_computed_tokens=computed,
+                          lora_request=None)
+
+
+def cached(req_ids, new_blocks, computed) -> CachedRequestData:
+    return CachedRequestData(req_ids=list(req_ids), resumed_req_ids=set(), new_token_ids=[],
+                             all_token_ids={}, new_block_ids=list(new_blocks),
+                             num_computed_tokens=list(computed),
+                             num_output_tokens=[0] * len(req_ids))
+
+
+def step(scheduled: dict, new_reqs=(), cached_reqs=None, finished=()) -> SchedulerOutput:
+    return SchedulerOutput(
+        scheduled_new_reqs=list(new_reqs),
+        scheduled_cached_reqs=cached_reqs or CachedRequestData.make_empty(),
+        num_scheduled_tokens=dict(scheduled), total_num_scheduled_tokens=sum(scheduled.values()),
+        scheduled_spec_decode_tokens={}, scheduled_encoder_inputs={},
+        finished_req_ids=set(finished), free_encoder_mm_hashes=[])
+
+
+def state(runner: VllmModelRunner):
+    """Everything a step may change: every request's token and block lists (a deep copy of
+    the runner's per-request state, less the sampling objects) and every cache row."""
+    requests = {r: {k: copy.deepcopy(v) for k, v in vars(s).items()
+                    if k not in ("params", "generator")} for r, s in runner.requests.items()}
+    return requests, [np.array(a) for a in runner.runner.kv_cache.arrays()]
+
+
+def assert_same_state(before, after):
+    assert after[0] == before[0]
+    for a, b in zip(after[1], before[1]):
+        np.testing.assert_array_equal(a, b)
+
+
+@pytest.fixture
+def running() -> VllmModelRunner:
+    """A runner with request 'a' (20 prompt tokens, blocks 1-2) that has sampled one token."""
+    runner = make_runner()
+    out = runner.execute_model(step({"a": 20}, [new("a", list(range(3, 23)), ([1, 2],))]))
+    assert len(out.sampled_token_ids[0]) == 1
+    return runner
+
+
+GOOD = new("b", list(range(30, 40)), ([3],))
+BAD_STEPS = {
+    # each: (scheduler output, the field the error must name)
+    "unknown cached id": (lambda: step({"z": 1}, cached_reqs=cached(["z"], [None], [5])),
+                          "scheduled_cached_reqs"),
+    "unknown scheduled id": (lambda: step({"b": 10, "y": 1}, [GOOD]), "num_scheduled_tokens"),
+    "empty block_ids": (lambda: step({"b": 10, "c": 4}, [GOOD, new("c", [5, 6, 7, 8], ())]),
+                        "block_ids"),
+    "empty prompt": (lambda: step({"b": 10, "c": 1}, [GOOD, new("c", [], ([4],))]),
+                     "prompt_token_ids"),
+    "float token id": (lambda: step({"b": 10, "c": 2}, [GOOD, new("c", [5, 1.5], ([4],))]),
+                       "prompt_token_ids"),
+    "float block id": (lambda: step({"b": 10, "c": 2}, [GOOD, new("c", [5, 6], ([11.7],))]),
+                       "block_ids"),
+    "float computed tokens": (lambda: step({"b": 10, "c": 2}, [GOOD, new("c", [5, 6], ([4],),
+                                                                         computed=0.5)]),
+                              "num_computed_tokens"),
+    "token id past the vocabulary": (lambda: step({"b": 10, "c": 2},
+                                                  [GOOD, new("c", [5, VOCAB], ([4],))]),
+                                     "prompt_token_ids"),
+    "negative token id": (lambda: step({"b": 10, "c": 2}, [GOOD, new("c", [-1, 5], ([4],))]),
+                          "prompt_token_ids"),
+    "new block appended past the pool": (
+        lambda: step({"b": 10, "a": 1}, [GOOD], cached(["a"], [([NUM_BLOCKS],)], [20])),
+        "block_ids"),
+}
+
+
+@pytest.mark.parametrize("case", list(BAD_STEPS))
+def test_bad_step_raises_naming_the_field_and_changes_nothing(running, case):
+    make, field = BAD_STEPS[case]
+    before = state(running)
+    with pytest.raises(ValueError, match=field):
+        running.execute_model(make())
+    assert_same_state(before, state(running))
+    assert "b" not in running.requests  # the valid request of the same step was not admitted
+    # and the runner goes on: the same good request alone runs
+    out = running.execute_model(step({"b": 10}, [GOOD]))
+    assert out.sampled_token_ids == [[out.sampled_token_ids[0][0]]]
+
+
+def test_failed_step_does_not_keep_a_finished_request_away(running):
+    """A step that finishes 'a' and then fails leaves 'a' as it was."""
+    before = state(running)
+    with pytest.raises(ValueError, match="block_ids"):
+        running.execute_model(step({"c": 4}, [new("c", [5, 6, 7, 8], ())], finished={"a"}))
+    assert_same_state(before, state(running))
+
+
+def test_writes_stay_inside_the_scheduled_rows_under_the_real_scheduler():
+    """Tight pool, small token budget (chunks, preemption, prefix hits in the same forward):
+    before every step the whole cache is copied; afterwards every row outside the slots of the
+    scheduled tokens (num_computed .. num_computed + num_scheduled of each request, through
+    its block table) must be bit-identical."""
+    engine = Engine(EngineConfig(model="llama-test", num_blocks=16, max_model_len=512,
+                                 max_num_batched_tokens=40, max_num_seqs=6))
+    runner, checked = engine.runner, {"steps": 0, "rows": 0}
+    execute = runner.execute_model
+
+    def checked_execute(so):
+        before = [np.array(a) for a in runner.runner.kv_cache.arrays()]
+        out = execute(so)
+        computed = dict(zip(so.scheduled_cached_reqs.req_ids,
+                            so.scheduled_cached_reqs.num_computed_tokens))
+        computed.update((n.req_id, n.num_computed_tokens) for n in so.scheduled_new_reqs)
+        allowed = np.zeros(len(before[0]), dtype=bool)
+        for req_id, count in so.num_scheduled_tokens.items():
+            blocks = np.array(runner.requests[req_id].block_ids)
+            pos = np.arange(computed[req_id], computed[req_id] + count)
+            allowed[blocks[pos // BS] * BS + pos % BS] = True
+        for layer_before, layer_after in zip(before, runner.runner.kv_cache.arrays()):
+            np.testing.assert_array_equal(np.array(layer_after)[~allowed], layer_before[~allowed])
+        checked["steps"] += 1
+        checked["rows"] += int(allowed.sum())
+        return out
+
+    runner.execute_model = checked_execute
+    rng = np.random.default_rng(5)
+    prefix = rng.integers(3, VOCAB, 40).tolist()
+    for i in range(8):
+        engine.add_request(f"r{i}", prefix[:20 + 5 * i] + rng.integers(3, VOCAB, 15).tolist(), 30)
+    engine.run_to_completion()
+    assert checked["steps"] > 10 and engine.num_preempted > 0
+    assert sum(r.cached_tokens for r in engine.results.values()) > 0
+
+
+def test_request_state_is_copied_not_shared(running):
+    """The scheduler's lists are the request's own: the runner never mutates them."""
+    prompt, blocks = list(range(40, 60)), [4, 5]
+    request = new("d", prompt, (blocks,))
+    snapshot = copy.deepcopy((prompt, blocks))
+    running.execute_model(step({"d": 20}, [request]))
+    running.execute_model(step({"d": 1}, cached_reqs=cached(["d"], [([6],)], [20])))
+    assert (prompt, blocks) == snapshot
