@@ -1,5 +1,5 @@
-"""Sessions: tests (default), demo, bench, serve-bench, lint; cuda and metal run the GPU tests where
-that backend exists (the H200 runs have no network: see docs/gpu.md)."""
+"""Sessions: tests (default), metal_emulated, demo, bench, serve-bench, lint; cuda and metal run
+the GPU tests where that backend exists (the H200 runs have no network: see docs/gpu.md)."""
 
 import sys
 from pathlib import Path
@@ -31,8 +31,15 @@ def install(session, *extras):
 def tests(session):
     install(session, "test", "serve")
     # Here the serving tests must run: a missing piece of the install fails them, not skips.
-    session.run("pytest", "-m", "not gpu", *session.posargs,
+    session.run("pytest", "-m", "not gpu and not emulated", *session.posargs,
                 env={"PAGED_PREFIX_REQUIRE_SERVING": "1"})
+
+
+@nox.session(name="metal_emulated", python=PYTHON)
+def metal_emulated(session):
+    """The Metal kernels' exact sources compiled with g++ and run on the CPU (tests/metal_emu)."""
+    install(session, "test")
+    session.run("pytest", "-m", "emulated", *session.posargs)
 
 
 @nox.session(python=PYTHON)

@@ -3,7 +3,6 @@
 // variables. Every collective is a real exchange between the lanes' OS threads (runtime.h).
 #pragma once
 
-#include <atomic>
 #include <type_traits>
 
 #include "math.h"
@@ -223,8 +222,9 @@ void simdgroup_multiply(simdgroup_matrix<TD, 8, 8>& d, const simdgroup_matrix<TA
   simdgroup_multiply_accumulate(d, a, b, make_filled_simdgroup_matrix<TD, 8, 8>(TD(0)));
 }
 
-// Atomics: Metal's atomic<T> over a std::atomic of the same size, so that `device atomic<float>*`
-// outputs and threadgroup atomics address plain memory as on the GPU.
+// Atomics: Metal's atomic<T> is a plain T operated on by the compiler's __atomic builtins (not
+// std::atomic, whose header alone would triple every kernel's compile time), so that
+// `device atomic<float>*` outputs and threadgroup atomics address plain memory as on the GPU.
 enum memory_order {
   memory_order_relaxed,
   memory_order_acquire,
@@ -236,9 +236,8 @@ enum thread_scope { thread_scope_thread, thread_scope_simdgroup, thread_scope_th
 
 template <class T>
 struct atomic {
-  std::atomic<T> value;
-  static_assert(sizeof(std::atomic<T>) == sizeof(T) && std::atomic<T>::is_always_lock_free,
-                "atomic<T> must overlay a plain T");
+  static_assert(std::is_trivially_copyable_v<T> && sizeof(T) <= 8, "atomic<T> of a small plain T");
+  T value;
 };
 typedef atomic<int> atomic_int;
 typedef atomic<uint> atomic_uint;
@@ -250,28 +249,36 @@ typedef atomic<ulong> atomic_ulong;
 
 namespace msl {
 
-constexpr std::memory_order std_order(metal::memory_order mo) {
+constexpr int gcc_order(metal::memory_order mo) {
   switch (mo) {
-    case metal::memory_order_acquire: return std::memory_order_acquire;
-    case metal::memory_order_release: return std::memory_order_release;
-    case metal::memory_order_acq_rel: return std::memory_order_acq_rel;
-    case metal::memory_order_seq_cst: return std::memory_order_seq_cst;
-    default: return std::memory_order_relaxed;
+    case metal::memory_order_acquire: return __ATOMIC_ACQUIRE;
+    case metal::memory_order_release: return __ATOMIC_RELEASE;
+    case metal::memory_order_acq_rel: return __ATOMIC_ACQ_REL;
+    case metal::memory_order_seq_cst: return __ATOMIC_SEQ_CST;
+    default: return __ATOMIC_RELAXED;
   }
 }
+// A load or store cannot release or acquire respectively: the nearest order that can.
+constexpr int load_order(metal::memory_order mo) {
+  return mo == metal::memory_order_relaxed ? __ATOMIC_RELAXED : __ATOMIC_ACQUIRE;
+}
+constexpr int store_order(metal::memory_order mo) {
+  return mo == metal::memory_order_relaxed ? __ATOMIC_RELAXED : __ATOMIC_RELEASE;
+}
 
-// The std::atomic behind a (possibly volatile) Metal atomic pointer.
 template <class T>
-std::atomic<T>& as_std(volatile metal::atomic<T>* object) {
-  return const_cast<metal::atomic<T>*>(object)->value;
+T* value_of(volatile metal::atomic<T>* object) {
+  return &const_cast<metal::atomic<T>*>(object)->value;
 }
 
 template <class T, class Op>
 T fetch_update(volatile metal::atomic<T>* object, T operand, metal::memory_order mo, Op op) {
-  std::atomic<T>& a = as_std(object);
-  T old = a.load(std::memory_order_relaxed);
-  while (!a.compare_exchange_weak(old, op(old, operand), std_order(mo), std::memory_order_relaxed)) {
-  }
+  T* p = value_of(object);
+  T old;
+  __atomic_load(p, &old, __ATOMIC_RELAXED);
+  T desired = op(old, operand);
+  while (!__atomic_compare_exchange(p, &old, &desired, true, gcc_order(mo), __ATOMIC_RELAXED))
+    desired = op(old, operand);
   return old;
 }
 
@@ -283,22 +290,25 @@ template <class T> using atomic_value_t = std::type_identity_t<T>;
 
 template <class T>
 void atomic_store_explicit(volatile atomic<T>* o, atomic_value_t<T> v, memory_order mo) {
-  msl::as_std(o).store(v, mo == memory_order_relaxed ? std::memory_order_relaxed : std::memory_order_release);
+  __atomic_store(msl::value_of(o), &v, msl::store_order(mo));
 }
 template <class T>
 T atomic_load_explicit(volatile atomic<T>* o, memory_order mo) {
-  return msl::as_std(o).load(mo == memory_order_relaxed ? std::memory_order_relaxed : std::memory_order_acquire);
+  T v;
+  __atomic_load(msl::value_of(o), &v, msl::load_order(mo));
+  return v;
 }
 template <class T>
 T atomic_exchange_explicit(volatile atomic<T>* o, atomic_value_t<T> v, memory_order mo) {
-  return msl::as_std(o).exchange(v, msl::std_order(mo));
+  T old;
+  __atomic_exchange(msl::value_of(o), &v, &old, msl::gcc_order(mo));
+  return old;
 }
 template <class T>
 bool atomic_compare_exchange_weak_explicit(volatile atomic<T>* o, T* expected, atomic_value_t<T> desired,
                                            memory_order success, memory_order failure) {
-  return msl::as_std(o).compare_exchange_weak(*expected, desired, msl::std_order(success),
-                                              failure == memory_order_relaxed ? std::memory_order_relaxed
-                                                                              : std::memory_order_acquire);
+  return __atomic_compare_exchange(msl::value_of(o), expected, &desired, true, msl::gcc_order(success),
+                                   msl::load_order(failure));
 }
 #define MSL_ATOMIC_FETCH(NAME, EXPR)                                                   \
   template <class T>                                                                   \
@@ -315,7 +325,7 @@ MSL_ATOMIC_FETCH(max, a < b ? b : a)
 #undef MSL_ATOMIC_FETCH
 
 inline void atomic_thread_fence(mem_flags, memory_order mo, thread_scope = thread_scope_device) {
-  std::atomic_thread_fence(msl::std_order(mo));
+  __atomic_thread_fence(msl::gcc_order(mo));
 }
 
 }  // namespace metal
