@@ -1,0 +1,96 @@
+"""The plugin's switches and refusals, the model loader, and the converted SmolLM2 folders."""
+
+from __future__ import annotations
+
+import json
+import sys
+
+import mlx.core as mx
+import pytest
+
+from paged_prefix import vllm_plugin
+from paged_prefix.model_loader import load_model, read_config
+
+from .serving_support import smollm2
+
+
+@pytest.mark.parametrize("setting, platform, metal_installed, expected", [
+    (None, "linux", False, vllm_plugin.PLATFORM),
+    ("0", "linux", False, None),
+    ("1", "linux", False, vllm_plugin.PLATFORM),
+    (None, "darwin", False, vllm_plugin.PLATFORM),
+    (None, "darwin", True, None),  # vllm-metal's plugin is the default there
+    ("1", "darwin", True, vllm_plugin.PLATFORM),
+])
+def test_register_follows_the_switch_and_yields_to_vllm_metal(monkeypatch, setting, platform,
+                                                               metal_installed, expected):
+    if setting is None:
+        monkeypatch.delenv(vllm_plugin.ENV_VAR, raising=False)
+    else:
+        monkeypatch.setenv(vllm_plugin.ENV_VAR, setting)
+    monkeypatch.setattr(sys, "platform", platform)
+    real_find_spec = vllm_plugin.importlib.util.find_spec
+    monkeypatch.setattr(vllm_plugin.importlib.util, "find_spec",
+                        lambda name: (object() if metal_installed else None)
+                        if name == "vllm_metal" else real_find_spec(name))
+    assert vllm_plugin.register() == expected
+
+
+def test_register_refuses_an_unknown_setting(monkeypatch):
+    monkeypatch.setenv(vllm_plugin.ENV_VAR, "yes")
+    with pytest.raises(ValueError, match=vllm_plugin.ENV_VAR):
+        vllm_plugin.register()
+
+
+def test_platform_refuses_what_the_runner_cannot_do():
+    from vllm.config import VllmConfig
+
+    from paged_prefix.vllm_plugin.platform import WORKER_CLS, MLXPlatform
+
+    config = VllmConfig()
+    config.parallel_config.worker_cls = "auto"
+    MLXPlatform.check_and_update_config(config)
+    assert config.parallel_config.worker_cls == WORKER_CLS
+    config.cache_config.cache_dtype = "fp8"
+    with pytest.raises(ValueError, match="kv_cache_dtype"):
+        MLXPlatform.check_and_update_config(config)
+    config.cache_config.cache_dtype = "auto"
+    config.parallel_config.world_size = 2  # as tensor_parallel_size=2 makes it
+    with pytest.raises(ValueError, match="one worker"):
+        MLXPlatform.check_and_update_config(config)
+
+
+def test_loader_names_unsupported_architectures_and_missing_folders(tmp_path):
+    with pytest.raises(ValueError, match="not a local model folder"):
+        read_config(tmp_path / "missing")
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "gemma2"}))
+    with pytest.raises(ValueError, match="'gemma2'.*llama"):
+        load_model(tmp_path)
+
+
+@pytest.mark.parametrize("variant", ["q4", "float16"])
+def test_smollm2_folders_load_and_answer(variant):
+    """The converted folders are plain mlx-lm folders: quantized weights stay quantized, and
+    through the paged runner both answer the classic question."""
+    from paged_prefix.kv_cache import PagedKVCache
+    from paged_prefix.metadata import ScheduledRequest, build_batch_metadata
+    from paged_prefix.runner import PagedModelRunner
+
+    folder = smollm2(variant)
+    config = read_config(folder)
+    assert ("quantization" in config) == (variant == "q4")
+    for name in ("tokenizer.json", "tokenizer_config.json", "model.safetensors"):
+        assert (folder / name).is_file()
+    assert "chat_template" in json.loads((folder / "tokenizer_config.json").read_text())
+    from mlx_lm.tokenizer_utils import load as load_tokenizer
+
+    tokenizer = load_tokenizer(folder)
+    ids = tokenizer.encode("The capital of France is")
+    model = load_model(folder)
+    cache = PagedKVCache(config["num_hidden_layers"], 4, 16, config["num_key_value_heads"],
+                         config["head_dim"], mx.float16)
+    runner = PagedModelRunner(model, cache)
+    for _ in range(2):
+        request = ScheduledRequest("a", ids, len(ids), 0, len(ids), [0, 1])
+        ids = ids + runner.greedy(build_batch_metadata([request], 16, 4))
+    assert "Paris" in tokenizer.decode(ids[-2:])

@@ -1,0 +1,125 @@
+"""`BatchSampler`: vLLM's Sampler fed from MLX logits, each option mapped onto its metadata.
+
+The maths is vLLM's; what is tested here is the bridge: each SamplingParams field reaches
+the right row of vLLM's SamplingMetadata, and the results are checked against numpy
+computations of the same definitions.
+"""
+
+from __future__ import annotations
+
+import mlx.core as mx
+import numpy as np
+import pytest
+from vllm.config import VllmConfig
+from vllm.sampling_params import SamplingParams
+
+from paged_prefix.vllm_sampling import BatchSampler, SamplingRow, make_generator, unsupported_reason
+
+VOCAB = 64
+
+
+@pytest.fixture(scope="module")
+def sampler() -> BatchSampler:
+    return BatchSampler(VOCAB, VllmConfig())
+
+
+def logits(rows: int, seed: int = 0, scale: float = 3.0) -> np.ndarray:
+    return (np.random.default_rng(seed).standard_normal((rows, VOCAB)) * scale).astype(np.float32)
+
+
+def row(params: SamplingParams, prompt=(1, 2, 3), outputs=None) -> SamplingRow:
+    return SamplingRow(params, list(prompt), list(outputs or []), make_generator(params))
+
+
+def sample(sampler, values: np.ndarray, rows) -> tuple[list[int], object]:
+    out = sampler.sample(mx.array(values), rows)
+    return out.sampled_token_ids[:, 0].tolist(), out.logprobs_tensors
+
+
+def log_softmax(x: np.ndarray) -> np.ndarray:
+    x = x.astype(np.float64)
+    return x - x.max(-1, keepdims=True) - np.log(np.exp(x - x.max(-1, keepdims=True)).sum(-1, keepdims=True))
+
+
+def test_greedy_rows_take_the_argmax_beside_random_rows(sampler):
+    values = logits(4)
+    rows = [row(SamplingParams(temperature=0.0)), row(SamplingParams(temperature=1.0, seed=1)),
+            row(SamplingParams(temperature=0.0)), row(SamplingParams(temperature=0.7))]
+    tokens, _ = sample(sampler, values, rows)
+    assert tokens[0] == int(np.argmax(values[0])) and tokens[2] == int(np.argmax(values[2]))
+
+
+def test_logprobs_are_log_softmax_of_the_raw_logits(sampler):
+    values = logits(3, seed=1)
+    rows = [row(SamplingParams(temperature=0.0, logprobs=5)),
+            row(SamplingParams(temperature=1.5, top_p=0.5, seed=3, logprobs=2)),
+            row(SamplingParams(temperature=0.0))]
+    tokens, lp = sample(sampler, values, rows)
+    lists = lp.tolists()
+    expected = log_softmax(values)
+    for i in range(3):
+        ids = lists.logprob_token_ids[i]
+        assert ids[0] == tokens[i]  # the sampled token first, then the top ones
+        np.testing.assert_allclose(lists.logprobs[i], expected[i, ids], atol=1e-5, rtol=0)
+        np.testing.assert_array_equal(ids[1:6], np.argsort(-values[i])[:5])
+        assert lists.sampled_token_ranks[i] == 1 + int((values[i] > values[i, tokens[i]]).sum())
+
+
+@pytest.mark.parametrize("option", ["top_k", "top_p", "min_p"])
+def test_samples_stay_inside_the_allowed_set(sampler, option):
+    values = logits(1, seed=2, scale=2.0)
+    probs = np.exp(log_softmax(values)[0])
+    order = np.argsort(-probs)
+    if option == "top_k":
+        params, allowed = dict(top_k=5), set(order[:5].tolist())
+    elif option == "top_p":
+        keep = int(np.searchsorted(np.cumsum(probs[order]), 0.6)) + 1
+        params, allowed = dict(top_p=0.6), set(order[:keep].tolist())
+    else:
+        params, allowed = dict(min_p=0.2), set(np.nonzero(probs >= 0.2 * probs.max())[0].tolist())
+    assert 1 < len(allowed) < VOCAB // 2
+    seen = set()
+    for seed in range(150):
+        tokens, _ = sample(sampler, values, [row(SamplingParams(temperature=1.0, seed=seed, **params))])
+        seen.add(tokens[0])
+    assert seen <= allowed and len(seen) > 1, (sorted(seen), sorted(allowed))
+
+
+def test_a_seed_repeats_its_draws_and_another_seed_differs(sampler):
+    values = logits(1, seed=3, scale=0.5)
+
+    def draws(seed):
+        r = row(SamplingParams(temperature=1.0, seed=seed))  # one generator across the steps
+        return [sample(sampler, values, [r])[0][0] for _ in range(12)]
+
+    assert draws(11) == draws(11)
+    assert draws(11) != draws(12)
+
+
+def test_penalties_bias_and_processors_change_the_greedy_choice(sampler):
+    values = np.zeros((1, VOCAB), dtype=np.float32)
+    values[0, 7], values[0, 9] = 2.0, 1.5
+    greedy = dict(temperature=0.0)
+    assert sample(sampler, values, [row(SamplingParams(**greedy))])[0] == [7]
+    # repetition penalty on a prompt token (positive logits are divided by it)
+    assert sample(sampler, values, [row(SamplingParams(repetition_penalty=2.0, **greedy),
+                                        prompt=[7])])[0] == [9]
+    # frequency penalty counts generated tokens
+    assert sample(sampler, values, [row(SamplingParams(frequency_penalty=0.3, **greedy),
+                                        outputs=[7, 7])])[0] == [9]
+    assert sample(sampler, values, [row(SamplingParams(logit_bias={3: 5.0}, **greedy))])[0] == [3]
+    assert sample(sampler, values, [row(SamplingParams(allowed_token_ids=[1, 9], **greedy))])[0] == [9]
+    # min_tokens masks the stop tokens until enough tokens were generated
+    stop = SamplingParams(min_tokens=2, stop_token_ids=[7], **greedy)
+    assert sample(sampler, values, [row(stop, outputs=[1])])[0] == [9]
+    assert sample(sampler, values, [row(stop, outputs=[1, 2])])[0] == [7]
+
+
+def test_unsupported_options_are_named():
+    assert unsupported_reason(SamplingParams()) is None
+    assert unsupported_reason(SamplingParams(prompt_logprobs=1))[0] == "prompt_logprobs"
+
+
+def test_logits_of_the_wrong_shape_are_refused(sampler):
+    with pytest.raises(ValueError, match="logits"):
+        sampler.sample(mx.zeros((2, VOCAB)), [row(SamplingParams())])
