@@ -100,12 +100,12 @@ def make_case(point: Point, seed: int = 0) -> Case:
     k_seqs, v_seqs, q_seqs, k_new, v_new = [], [], [], [], []
     cu = meta.cu_seqlens_q_host
     for s, n in enumerate(seq_lens):
-        k, v = reference.gather_kv(k_cache, v_cache, meta.block_tables[s], n)  # [Hkv, L, D]
-        k_seqs.append(mx.contiguous(k[None]))
-        v_seqs.append(mx.contiguous(v[None]))
-        q_seqs.append(mx.contiguous(q[cu[s]:cu[s + 1]].transpose(1, 0, 2)[None]))
-        k_new.append(k[:, point.ctx_lens[s]:].transpose(1, 0, 2))
-        v_new.append(v[:, point.ctx_lens[s]:].transpose(1, 0, 2))
+        k, v = reference.gather_kv(k_cache, v_cache, meta.block_tables[s], n)  # [1, Hkv, L, D]
+        k_seqs.append(mx.contiguous(k))
+        v_seqs.append(mx.contiguous(v))
+        q_seqs.append(mx.contiguous(reference.heads_first(q[cu[s]:cu[s + 1]])))
+        k_new.append(k[0, :, point.ctx_lens[s]:].transpose(1, 0, 2))
+        v_new.append(v[0, :, point.ctx_lens[s]:].transpose(1, 0, 2))
     k_new, v_new = mx.concatenate(k_new), mx.concatenate(v_new)
     mx.eval(k_cache, v_cache, q, k_seqs, v_seqs, q_seqs, k_new, v_new)
     return Case(q, k_new, v_new, k_cache, v_cache, meta, k_seqs, v_seqs, q_seqs)

@@ -7,6 +7,8 @@ paged path and mlx-lm's contiguous cache, at H=32, Hkv=8, D=128, bf16:
   sdpa/<q>/<kv>   mx.fast.scaled_dot_product_attention with q and K/V laid out as
                   bhsd (contiguous [1, H, L, D]), bshd (a transposed view of [L, H, D]) or
                   slice (mlx-lm's cache: the first L rows of a longer [1, Hkv, cap, D] buffer);
+                  lazy: the bshd views built inside each call, as a forward builds them;
+  sdpa_path       jit_kernels.contiguous_sdpa on the same new rows (C = 0);
   rope/...        RoPE with one offset per token (the packed batch) vs one scalar offset;
   write/...       the paged cache's scatter vs mlx-lm's slice update of its buffer;
   gather/u<N>     the page-gather kernel with N loads in flight per thread (GB/s read + write).
@@ -28,7 +30,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from attention_sweep import time_per_call  # noqa: E402
 
 from jit_kernels import available_backends, page_gather  # noqa: E402
+from jit_kernels.contiguous_sdpa import plan_sdpa, sdpa_attention  # noqa: E402
 from jit_kernels.page_gather import PageGather, plan_gather  # noqa: E402
+from jit_kernels.support import Geometry  # noqa: E402
 from paged_prefix.kv_cache import PagedKVCache  # noqa: E402
 
 H, HKV, D, BS, DTYPE = 32, 8, 128, 16, mx.bfloat16
@@ -73,6 +77,19 @@ def main() -> None:
                 record(f"sdpa/Lq{lq}_C{c}/q_{qn}/kv_{kn}", lambda q=q, k=k, v=v:
                        mx.fast.scaled_dot_product_attention(q, k, v, scale=D ** -0.5,
                                                             mask="causal"))
+        if c == 0:
+            q3, k3 = rand(lq, H, D), rand(lq, HKV, D)
+            mx.eval(q3, k3)
+            record(f"sdpa/Lq{lq}_C0/lazy", lambda: mx.fast.scaled_dot_product_attention(
+                q3.transpose(1, 0, 2)[None], k3.transpose(1, 0, 2)[None],
+                k3.transpose(1, 0, 2)[None], scale=D ** -0.5, mask="causal"))
+            g = Geometry(H, HKV, D, BS, DTYPE, D ** -0.5)
+            plan = plan_sdpa(np.array([0, lq]), np.array([lq]), g)
+            kc = mx.zeros((lq // BS + 1, BS, HKV, D), DTYPE)
+            tables = mx.zeros((1, lq // BS + 1), mx.int32)
+            mx.eval(kc, tables)
+            record(f"sdpa_path/Lq{lq}_C0", lambda: sdpa_attention(q3, k3, k3, kc, kc, tables,
+                                                                   plan))
     rope = nn.RoPE(D, base=500000.0)
     for t in (4096, 2048):
         x = rand(t, H, D)

@@ -64,8 +64,7 @@ def sdpa_attention(
             ks, vs = (x if whole else x[start:end] for x in (k, v))
             if ks.dtype != k_cache.dtype:
                 ks, vs = ks.astype(k_cache.dtype), vs.astype(k_cache.dtype)
-            ks, vs = ks.transpose(1, 0, 2), vs.transpose(1, 0, 2)
-        qs = (q if whole else q[start:end]).transpose(1, 0, 2)[None]  # [1, H, Lq, D]
-        outs.append(reference.sdpa(qs, ks[None], vs[None], plan.geometry.scale)[0]
-                    .transpose(1, 0, 2))
+            ks, vs = reference.heads_first(ks), reference.heads_first(vs)
+        qs = reference.heads_first(q if whole else q[start:end])
+        outs.append(reference.tokens_first(reference.sdpa(qs, ks, vs, plan.geometry.scale)))
     return outs[0] if whole else mx.concatenate(outs, axis=0)

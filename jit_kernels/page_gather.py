@@ -1,7 +1,7 @@
 """Page gather: copy the pages of a batch into contiguous, head-major K/V in one launch.
 
-    kg, vg = gather(k_cache, v_cache, block_tables, plan)      # plan: plan_gather(...) once
-    kg[plan.offsets[i] : plan.offsets[i + 1]].reshape(Hkv, L_i, D)   # sequence plan.seqs[i]
+    [(k, v), ...] = gather(k_cache, v_cache, block_tables, plan)   # plan: plan_gather(...) once
+    k, v: [1, Hkv, L_i, D] contiguous, for sequence plan.seqs[i]
 
 The output layout is what `mx.fast.scaled_dot_product_attention` takes ([Hkv, L, D] per
 sequence, as mlx-lm's own KV cache holds it), so attention after the gather runs exactly as on
@@ -88,14 +88,17 @@ class GatherPlan:
 
 def plan_gather(seq_lens: np.ndarray, seqs: list[int], block_size: int, num_kv_heads: int,
                 head_dim: int) -> GatherPlan:
-    lens = [int(seq_lens[s]) for s in seqs]
-    rows = np.cumsum([0] + [num_kv_heads * n for n in lens])
-    per_seq = [-(-n // block_size) for n in lens]
-    table = np.array([(s, p, n, rows[i]) for i, (s, n, k) in enumerate(zip(seqs, lens, per_seq))
-                      for p in range(k)], dtype=np.int64).reshape(-1, len(PAGE_COLS))
-    if table.size and table[:, 3].max() >= 2**31:
+    lens = np.asarray(seq_lens, dtype=np.int64)[np.asarray(seqs, dtype=np.int64)]
+    rows = np.concatenate([[0], np.cumsum(num_kv_heads * lens)])
+    if rows[-1] >= 2**31:
         raise ValueError("seq_lens: the gathered K/V exceed 2**31 rows of head_dim")
-    return GatherPlan(seqs=tuple(seqs), seq_lens=tuple(lens),
+    pages_per_seq = -(-lens // block_size)
+    first = np.repeat(np.cumsum(pages_per_seq) - pages_per_seq, pages_per_seq)
+    table = np.stack([np.repeat(np.asarray(seqs, dtype=np.int64), pages_per_seq),
+                      np.arange(int(pages_per_seq.sum())) - first,
+                      np.repeat(lens, pages_per_seq),
+                      np.repeat(rows[:-1], pages_per_seq)], axis=1)
+    return GatherPlan(seqs=tuple(int(s) for s in seqs), seq_lens=tuple(int(n) for n in lens),
                       offsets=tuple(int(r) * head_dim for r in rows),
                       pages=mx.array(table.astype(np.int32)), num_pages=len(table))
 
@@ -128,7 +131,7 @@ class PageGather:
 
     def __call__(self, k_cache: mx.array, v_cache: mx.array, block_tables: mx.array,
                  plan: GatherPlan) -> list[tuple[mx.array, mx.array]]:
-        """[(k, v)] per gathered sequence, each [Hkv, L, D] contiguous; no host sync."""
+        """[(k, v)] per gathered sequence, each [1, Hkv, L, D] contiguous; no host sync."""
         _, block_size, num_kv_heads, head_dim = k_cache.shape
         why_not = self.unsupported_reason(k_cache.dtype, head_dim)
         if why_not:
@@ -140,6 +143,9 @@ class PageGather:
                       ("D", head_dim), ("UNROLL", UNROLL)],
             grid=(plan.num_pages * THREADS, 1, 1), threadgroup=(THREADS, 1, 1),
             output_shapes=[(total,), (total,)], output_dtypes=[k_cache.dtype] * 2)
-        return [(k_out[a:b].reshape(num_kv_heads, n, head_dim),
-                 v_out[a:b].reshape(num_kv_heads, n, head_dim))
+        if len(plan.seqs) == 1:  # the whole output: no slice ops
+            shape = (1, num_kv_heads, plan.seq_lens[0], head_dim)
+            return [(k_out.reshape(shape), v_out.reshape(shape))]
+        return [(k_out[a:b].reshape(1, num_kv_heads, n, head_dim),
+                 v_out[a:b].reshape(1, num_kv_heads, n, head_dim))
                 for a, b, n in zip(plan.offsets, plan.offsets[1:], plan.seq_lens)]

@@ -6,10 +6,10 @@ updates a scatter target in place only when the target is the sole owner of its 
 array that this object alone holds is donated to the scatter, while scattering through a
 reshaped view copies the whole cache first. `blocks()` hands out the 4D view (a free reshape).
 
-Rows are stored as 8-byte words (a bf16 row of 128 values is 32 uint64): MLX's scatter moves
-one element per thread, so wider elements write the same bytes 4x faster (bf16 on an H200:
-146 us -> ~37 us for 4096 rows of K and V); readers get the cache dtype back through a
-zero-copy `view`.
+Rows are stored as 4-byte words (a bf16 row of 128 values is 64 uint32): MLX's scatter moves
+one element per thread, so wider elements write the same bytes with fewer threads, and its GPU
+scatter takes nothing wider than 4 bytes. Readers get the cache dtype back through a zero-copy
+`view`.
 
 Writes take `Slots`, validated once per forward against this cache on the host (no padding
 slots: every row written is a real token), so the per-layer write needs no host sync and an
@@ -62,10 +62,10 @@ class PagedKVCache:
         self.head_dim = head_dim
         self.dtype = dtype
         rows = num_blocks * block_size
-        # 8-byte words when a head's row divides into them (any head_dim % 4 == 0)
-        wide = head_dim * dtype.size % 8 == 0
-        self._storage = mx.uint64 if wide else dtype
-        row = (num_kv_heads, head_dim * dtype.size // 8 if wide else head_dim)
+        # 4-byte words when a head's row divides into them (any even head_dim)
+        wide = head_dim * dtype.size % 4 == 0
+        self._storage = mx.uint32 if wide else dtype
+        row = (num_kv_heads, head_dim * dtype.size // 4 if wide else head_dim)
         self._k = [mx.zeros((rows, *row), self._storage) for _ in range(num_layers)]
         self._v = [mx.zeros((rows, *row), self._storage) for _ in range(num_layers)]
         mx.eval(self._k, self._v)

@@ -5,6 +5,7 @@ Imports nothing of `paged_prefix` or `jit_kernels`: plain arrays in, arrays out.
 
 from .contract import check_arrays, check_lengths, check_paged_inputs
 from .dense import dense_attention
-from .paged_attention import gather_kv, paged_attention, sdpa
+from .paged_attention import gather_kv, heads_first, paged_attention, sdpa, tokens_first
 
-__all__ = ["check_arrays", "check_lengths", "check_paged_inputs", "dense_attention", "gather_kv", "paged_attention", "sdpa"]
+__all__ = ["check_arrays", "check_lengths", "check_paged_inputs", "dense_attention", "gather_kv", "heads_first", "paged_attention", "sdpa",
+           "tokens_first"]

@@ -33,20 +33,31 @@ def sdpa(q: mx.array, k: mx.array, v: mx.array, scale: float) -> mx.array:
     return mx.fast.scaled_dot_product_attention(q, k, v, scale=scale, mask=mask)
 
 
+def heads_first(x: mx.array) -> mx.array:
+    """[L, heads, D] -> [1, heads, L, D] as a view (expand, then transpose: transposing first
+    and expanding a strided array would copy it)."""
+    return x[None].transpose(0, 2, 1, 3)
+
+
+def tokens_first(o: mx.array) -> mx.array:
+    """SDPA's [1, H, L, D] output -> [L, H, D]; a view, since MLX lays the output out like q."""
+    return o.transpose(0, 2, 1, 3)[0]
+
+
 def gather_kv(
     k_cache: mx.array, v_cache: mx.array, block_table: mx.array, seq_len: int
 ) -> tuple[mx.array, mx.array]:
-    """Contiguous K/V of one sequence, head-major as SDPA takes them.
+    """K/V of one sequence gathered from its pages, as SDPA takes them.
 
     k_cache, v_cache: [num_blocks, block_size, Hkv, D]; block_table: [n] int32 with
-    n * block_size >= seq_len. Returns two [Hkv, seq_len, D] arrays.
+    n * block_size >= seq_len. Returns two [1, Hkv, seq_len, D] arrays.
     """
     _, block_size, num_kv_heads, head_dim = k_cache.shape
     n = -(-seq_len // block_size)
     ids = block_table[:n]
     k = k_cache[ids].reshape(n * block_size, num_kv_heads, head_dim)[:seq_len]
     v = v_cache[ids].reshape(n * block_size, num_kv_heads, head_dim)[:seq_len]
-    return k.transpose(1, 0, 2), v.transpose(1, 0, 2)
+    return heads_first(k), heads_first(v)
 
 
 def paged_attention(
@@ -59,6 +70,5 @@ def paged_attention(
     for s in range(len(seq_lens)):
         start, end = int(cu_seqlens_q[s]), int(cu_seqlens_q[s + 1])
         k, v = gather_kv(k_cache, v_cache, block_tables[s], int(seq_lens[s]))
-        qs = q[start:end].transpose(1, 0, 2)[None]  # [1, H, Lq, D]
-        outs.append(sdpa(qs, k[None], v[None], scale)[0].transpose(1, 0, 2))  # [Lq, H, D]
+        outs.append(tokens_first(sdpa(heads_first(q[start:end]), k, v, scale)))
     return outs[0] if len(outs) == 1 else mx.concatenate(outs, axis=0)
