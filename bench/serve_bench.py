@@ -9,9 +9,10 @@ hit rate, prefill tokens; checked: every request's generated text is the same in
 Written under --out: summary.json, the client's detailed results per setting, the server
 logs and ttft.png.
 
-The client sends one untimed request (the first prompt) before timing; the server's counters
-include it in both runs. Defaults are sized for about 10 minutes on 2 CPU cores with
-SmolLM2-135M (float16: MLX's CPU backend runs it faster than float32 or Q4).
+Each server serves exactly the benchmark's requests (the client's ready check, which would
+send one more, is off by default), so its counters are theirs. Defaults are sized for about
+10 minutes on 2 CPU cores with SmolLM2-135M (float16: MLX's CPU backend runs it faster than
+float32 or Q4).
 """
 
 from __future__ import annotations

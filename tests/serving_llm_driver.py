@@ -1,11 +1,11 @@
 """Runs `vllm.LLM` through the paged_prefix plugin in its own process; prints JSON results.
 
-    python tests/serving_llm_driver.py MODEL_DIR {on|off}
+    python tests/serving_llm_driver.py MODEL_DIR {on|off} {sync|async}
 
 A process of its own: vLLM fixes its platform once per process, and the test process may
 already hold another (the offline engine's tests run vLLM's scheduler there). The engine
-runs in this process (VLLM_ENABLE_V1_MULTIPROCESSING=0), asynchronous scheduling as vLLM
-defaults, a small KV budget. Two greedy passes over prompts that share a prefix (the second
+runs in this process (VLLM_ENABLE_V1_MULTIPROCESSING=0) with synchronous or asynchronous
+scheduling (vLLM's default), a small KV budget. Two greedy passes over prompts that share a prefix (the second
 hits what the first cached), then seeded sampling.
 """
 
@@ -23,12 +23,13 @@ LOGPROBS = 3
 SEEDS = (7, 7, 8)  # the same seed twice, then another
 
 
-def main(model: str, caching: str) -> None:
+def main(model: str, caching: str, scheduling: str) -> None:
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
     from vllm import LLM, SamplingParams
 
     llm = LLM(model=model, enable_prefix_caching=caching == "on", max_model_len=512,
-              max_num_seqs=4, max_num_batched_tokens=256, kv_cache_memory_bytes=64 << 20, seed=0)
+              max_num_seqs=4, max_num_batched_tokens=256, kv_cache_memory_bytes=64 << 20, seed=0,
+              async_scheduling=scheduling == "async")
     prompts = [PREFIX + q for q in QUESTIONS]
     # ignore_eos: every position is compared, also past an end-of-sequence token
     greedy = SamplingParams(temperature=0.0, max_tokens=GREEDY_TOKENS, logprobs=LOGPROBS,
@@ -50,9 +51,10 @@ def main(model: str, caching: str) -> None:
     hot = llm.generate([prompts[0]], SamplingParams(temperature=2.0, top_p=0.5, max_tokens=1,
                                                     seed=0, logprobs=LOGPROBS), use_tqdm=False)
     hot_logprobs = {str(t): lp.logprob for t, lp in hot[0].outputs[0].logprobs[0].items()}
+    scheduling = llm.llm_engine.vllm_config.scheduler_config.async_scheduling
     llm.llm_engine.engine_core.shutdown()
     print("RESULT " + json.dumps({"passes": passes, "seeded": seeded,
-                                 "hot_logprobs": hot_logprobs}))
+                                 "hot_logprobs": hot_logprobs, "async_scheduling": scheduling}))
 
 
 if __name__ == "__main__":

@@ -3,8 +3,8 @@
 Greedy tokens are identical with prefix caching off and on, on a second pass that hits the
 first pass's blocks, and to mlx-lm's own generation with its contiguous prompt cache;
 logprobs equal log_softmax of mlx-lm's logits; seeded sampling repeats for a seed and
-differs across seeds. vLLM runs in child processes (`serving_llm_driver.py`), one per
-caching setting.
+differs across seeds. vLLM runs in child processes (`serving_llm_driver.py`): caching off
+with synchronous scheduling, caching on with asynchronous scheduling (vLLM's default).
 """
 
 from __future__ import annotations
@@ -26,10 +26,13 @@ DRIVER = Path(__file__).with_name("serving_llm_driver.py")
 LOGPROB_ATOL = 0.05
 
 
+SETTINGS = {"off": "sync", "on": "async"}  # prefix caching -> scheduling
+
+
 def run_driver(model: Path, caching: str) -> dict:
     env = {k: v for k, v in os.environ.items() if k != "VLLM_TARGET_DEVICE"}
-    proc = subprocess.run([sys.executable, str(DRIVER), str(model), caching], env=env,
-                          capture_output=True, text=True, timeout=900)
+    proc = subprocess.run([sys.executable, str(DRIVER), str(model), caching, SETTINGS[caching]],
+                          env=env, capture_output=True, text=True, timeout=900)
     lines = [line for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
     assert proc.returncode == 0 and lines, f"driver failed ({proc.returncode}):\n{proc.stderr[-4000:]}"
     assert "Traceback" not in proc.stderr, f"driver logged an error:\n{proc.stderr[-4000:]}"
@@ -43,7 +46,9 @@ def model_dir() -> Path:
 
 @pytest.fixture(scope="module")
 def runs(model_dir) -> dict:
-    return {caching: run_driver(model_dir, caching) for caching in ("off", "on")}
+    runs = {caching: run_driver(model_dir, caching) for caching in SETTINGS}
+    assert [runs[c]["async_scheduling"] for c in SETTINGS] == [False, True]
+    return runs
 
 
 @pytest.fixture(scope="module")

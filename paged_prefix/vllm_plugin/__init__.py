@@ -50,11 +50,11 @@ def register() -> str | None:
 
 def mirror_vllm_logging() -> None:
     """Send the project's log records (the worker's budget, the dispatcher's chosen
-    attention path and its reason) through vLLM's handlers, at vLLM's level."""
+    attention path and its reason) through vLLM's handlers, at vLLM's level. Records still
+    propagate: whoever listens at the root (pytest, an embedding application) hears them."""
     vllm_logger, ours = logging.getLogger("vllm"), logging.getLogger("paged_prefix")
     if ours.handlers or not vllm_logger.handlers:
         return
     ours.setLevel(vllm_logger.level)
     for handler in vllm_logger.handlers:
         ours.addHandler(handler)
-    ours.propagate = False
