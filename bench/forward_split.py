@@ -53,7 +53,7 @@ def main() -> None:
         suffix = mx.array([s.prompt[hit:]])
         step = s.mlx_lm_prefill(hit)
 
-        def build_mlx_lm():
+        def build_mlx_lm(suffix=suffix, hit=hit):
             s.dense.lm_head(s.dense.model(suffix, cache=s.cache)[:, -1])
             for c in s.cache:
                 c.trim(args.prompt_len - hit)
@@ -64,7 +64,7 @@ def main() -> None:
             s.runner.dispatcher = Dispatcher(path)
             snapshot = s.runner.kv_cache.snapshot()
 
-            def build_paged():
+            def build_paged(meta=meta, snapshot=snapshot):
                 s.runner.forward(meta)
                 s.runner.kv_cache.restore(snapshot)  # drop the unevaluated writes
             row[path] = {"build_ms": median_ms(build_paged),

@@ -80,16 +80,17 @@ def main() -> None:
         if c == 0:
             q3, k3 = rand(lq, H, D), rand(lq, HKV, D)
             mx.eval(q3, k3)
-            record(f"sdpa/Lq{lq}_C0/lazy", lambda: mx.fast.scaled_dot_product_attention(
-                q3.transpose(1, 0, 2)[None], k3.transpose(1, 0, 2)[None],
-                k3.transpose(1, 0, 2)[None], scale=D ** -0.5, mask="causal"))
+            record(f"sdpa/Lq{lq}_C0/lazy", lambda q3=q3, k3=k3:
+                   mx.fast.scaled_dot_product_attention(
+                       q3.transpose(1, 0, 2)[None], k3.transpose(1, 0, 2)[None],
+                       k3.transpose(1, 0, 2)[None], scale=D ** -0.5, mask="causal"))
             g = Geometry(H, HKV, D, BS, DTYPE, D ** -0.5)
             plan = plan_sdpa(np.array([0, lq]), np.array([lq]), g)
             kc = mx.zeros((lq // BS + 1, BS, HKV, D), DTYPE)
             tables = mx.zeros((1, lq // BS + 1), mx.int32)
             mx.eval(kc, tables)
-            record(f"sdpa_path/Lq{lq}_C0", lambda: sdpa_attention(q3, k3, k3, kc, kc, tables,
-                                                                   plan))
+            record(f"sdpa_path/Lq{lq}_C0", lambda q3=q3, k3=k3, kc=kc, tables=tables, plan=plan:
+                   sdpa_attention(q3, k3, k3, kc, kc, tables, plan))
     rope = nn.RoPE(D, base=500000.0)
     for t in (4096, 2048):
         x = rand(t, H, D)

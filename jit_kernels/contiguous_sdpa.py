@@ -46,6 +46,15 @@ def sdpa_attention(
     want = (q.shape[0], k_cache.shape[2], k_cache.shape[3])
     if k.shape != want or v.shape != want:
         raise ValueError(f"k, v: new rows must be {want}, got {k.shape} and {v.shape}")
+    return attend(q, k, v, k_cache, v_cache, block_tables, plan, gather)
+
+
+def attend(
+    q: mx.array, k: mx.array, v: mx.array, k_cache: mx.array, v_cache: mx.array,
+    block_tables: mx.array, plan: SdpaPlan, gather: PageGather | None = None,
+) -> mx.array:
+    """`sdpa_attention` without its entry check, for callers that validated the plan against
+    these arrays already (a forward calls it once per layer: every op here counts)."""
     g = plan.gather
     if not g.seqs:
         gathered = []

@@ -384,8 +384,15 @@ class CudaPagedAttention:
     def __call__(self, q: mx.array, k_cache: mx.array, v_cache: mx.array,
                  block_tables: mx.array, plan: CudaAttentionPlan) -> mx.array:
         """The contract of `reference.contract` in one launch; no host sync."""
+        support.check_call("cuda", plan.geometry, q, k_cache, v_cache, block_tables,
+                           plan.lengths)
+        return self.launch(q, k_cache, v_cache, block_tables, plan)
+
+    def launch(self, q: mx.array, k_cache: mx.array, v_cache: mx.array,
+               block_tables: mx.array, plan) -> mx.array:
+        """`__call__` without its entry check, for callers that validated the plan against
+        these arrays already (a forward launches once per layer)."""
         g = plan.geometry
-        support.check_call("cuda", g, q, k_cache, v_cache, block_tables, plan.lengths)
         tiles, block_m = plan.tiles, plan.block_m
         slots = max(tiles.num_slots, 1)  # outputs cannot be empty; unused when nothing is split
         return self._kernel(g, block_m)(

@@ -298,8 +298,15 @@ class MetalPagedAttention:
     def __call__(self, q: mx.array, k_cache: mx.array, v_cache: mx.array,
                  block_tables: mx.array, plan: MetalAttentionPlan) -> mx.array:
         """The contract of `reference.contract` in one launch (two when KV is split)."""
+        support.check_call("metal", plan.geometry, q, k_cache, v_cache, block_tables,
+                           plan.lengths)
+        return self.launch(q, k_cache, v_cache, block_tables, plan)
+
+    def launch(self, q: mx.array, k_cache: mx.array, v_cache: mx.array,
+               block_tables: mx.array, plan) -> mx.array:
+        """`__call__` without its entry check, for callers that validated the plan against
+        these arrays already (a forward launches once per layer)."""
         g = plan.geometry
-        support.check_call("metal", g, q, k_cache, v_cache, block_tables, plan.lengths)
         tiles = plan.tiles
         slots = max(tiles.num_slots, 1)  # outputs cannot be empty; unused when nothing is split
         out, o_part, lse_part = self._kernel("attention", g)(

@@ -31,7 +31,7 @@ import mlx.core as mx
 
 import reference
 from jit_kernels import KernelBackend, available_backends
-from jit_kernels.contiguous_sdpa import plan_sdpa, sdpa_attention
+from jit_kernels.contiguous_sdpa import attend, plan_sdpa, sdpa_attention
 from jit_kernels.support import Geometry
 
 from . import canary
@@ -54,19 +54,26 @@ class Choice:
     backend: str | None = None  # whose kernel runs: the paged kernel's, or the sdpa path's gather
 
 
-@dataclass(frozen=True, eq=False)
 class ForwardAttention:
-    """One forward's attention: the choice and its plan, called by every layer."""
+    """One forward's attention: the choice and its plan, called by every layer.
 
-    choice: Choice
-    run: Callable[..., mx.array]
-    counts: Counter
+    The first call goes through the path's entry check (shapes against the plan); the layers
+    after it have the same shapes, so they take the unchecked launch: one op fewer to build
+    per layer is time a synchronous step never gets back.
+    """
+
+    def __init__(self, choice: Choice, checked: Callable[..., mx.array],
+                 unchecked: Callable[..., mx.array], counts: Counter):
+        self.choice, self.counts = choice, counts
+        self._run, self._unchecked = checked, unchecked
 
     def __call__(self, q: mx.array, k: mx.array, v: mx.array, k_cache: mx.array,
                  v_cache: mx.array) -> mx.array:
         """q [T, H, D] and the new rows k, v [T, Hkv, D] (already in the caches)."""
         self.counts[self.choice.path] += 1
-        return self.run(q, k, v, k_cache, v_cache)
+        out = self._run(q, k, v, k_cache, v_cache)
+        self._run = self._unchecked
+        return out
 
 
 class Dispatcher:
@@ -126,7 +133,7 @@ class Dispatcher:
             log.info("paged attention: %s (%s) for dtype=%s head_dim=%d group=%d block=%d %s",
                      choice.path, choice.reason, *key[1], key[2])
         self.last = choice
-        return ForwardAttention(choice, self._runner(choice, meta, g), self.counts)
+        return ForwardAttention(choice, *self._runner(choice, meta, g), self.counts)
 
     def _validated(self, choice: Choice, g: Geometry) -> Choice:
         if choice.backend is None:
@@ -150,15 +157,19 @@ class Dispatcher:
         return Choice("reference", f"{choice.backend} {component} kernel failed its first-use "
                                    f"check: {why}")
 
-    def _runner(self, choice: Choice, meta: AttentionMetadata, g: Geometry) -> Callable:
+    def _runner(self, choice: Choice, meta: AttentionMetadata, g: Geometry) -> tuple:
+        """(checked, unchecked) calls of the chosen path, planned for this forward."""
         cu, lens, tables = meta.cu_seqlens_q_host, meta.seq_lens_host, meta.block_tables
         if choice.path == "reference":
-            return lambda q, k, v, kc, vc: reference.paged_attention(q, kc, vc, tables, cu, lens,
-                                                                     g.scale)
+            def ref(q, k, v, kc, vc):
+                return reference.paged_attention(q, kc, vc, tables, cu, lens, g.scale)
+            return ref, ref
         if choice.path == "sdpa":
             plan = plan_sdpa(cu, lens, g)
             gather = self.backends[choice.backend].gather if choice.backend else None
-            return lambda q, k, v, kc, vc: sdpa_attention(q, k, v, kc, vc, tables, plan, gather)
+            return (lambda q, k, v, kc, vc: sdpa_attention(q, k, v, kc, vc, tables, plan, gather),
+                    lambda q, k, v, kc, vc: attend(q, k, v, kc, vc, tables, plan, gather))
         kernel = self.backends[choice.backend].attention
         plan = kernel.plan(cu, lens, g)
-        return lambda q, k, v, kc, vc: kernel(q, kc, vc, tables, plan)
+        return (lambda q, k, v, kc, vc: kernel(q, kc, vc, tables, plan),
+                lambda q, k, v, kc, vc: kernel.launch(q, kc, vc, tables, plan))

@@ -1,8 +1,8 @@
 """Built-in models: real mlx-lm model classes with seeded random weights.
 
 The built-in models are small configs of the real Llama, Qwen2 and Qwen3 classes (tests and
-the offline demo need no download), plus GPU-sized shapes for the prefill benchmarks. `hf_config()` writes the matching Hugging Face style
-config.json that vLLM's ModelConfig reads.
+the offline demo need no download), plus GPU-sized shapes for the prefill benchmarks.
+`hf_config()` writes the matching Hugging Face style config.json that vLLM's ModelConfig reads.
 """
 
 from __future__ import annotations

@@ -41,7 +41,8 @@ def heads_first(x: mx.array) -> mx.array:
 
 def tokens_first(o: mx.array) -> mx.array:
     """SDPA's [1, H, L, D] output -> [L, H, D]; a view, since MLX lays the output out like q."""
-    return o.transpose(0, 2, 1, 3)[0]
+    _, heads, length, head_dim = o.shape
+    return o.transpose(0, 2, 1, 3).reshape(length, heads, head_dim)
 
 
 def gather_kv(

@@ -4,7 +4,8 @@ Two oracles over the same seeded weights, both the unpatched mlx-lm model (same 
   * exact: mlx-lm's contiguous prompt cache fed the same split (prefix, then suffix; the same
     chunks) with the same attention precision as the reference (fp32 scores). On the CPU paths
     (reference, sdpa) paging adds no arithmetic, so logits must be bit-identical: a wrong RoPE
-    offset, slot or softmax scale cannot hide in a tolerance.
+    offset, slot or softmax scale cannot hide in a tolerance. (On a GPU these paths are held
+    to the tolerance: SDPA may choose another algorithm for another memory layout.)
   * full prefill: one forward over the whole prompt (different rounding order), compared with a
     tolerance, and greedy continuations that must be identical.
 Kernel paths (GPU) compute attention in their own order: they are held to the tolerance only.
@@ -23,12 +24,13 @@ from paged_prefix.kv_cache import PagedKVCache
 from paged_prefix.metadata import ScheduledRequest, build_batch_metadata
 from paged_prefix.models import build_model, resolve_config
 from paged_prefix.runner import PagedModelRunner
-from tests.conftest import ATTENTION_PATHS, DTYPES, KERNEL_PATHS
+from tests.conftest import ATTENTION_PATHS, DTYPES, KERNEL_PATHS, ON_GPU
 
 BS, NUM_BLOCKS, PROMPT_LEN, DECODE_STEPS = 16, 64, 70, 6
 # Logits vs a full prefill, (atol, rtol) by model dtype: the two compute attention over
 # different splits, and half types round every layer's activations.
-LOGIT_TOL = {mx.float32: (1e-4, 1e-4), mx.float16: (5e-2, 2e-2), mx.bfloat16: (2e-1, 5e-2)}
+LOGIT_TOL = {mx.float32: (1e-2, 1e-2) if ON_GPU else (1e-4, 1e-4),  # GPU: TF32 matmuls
+             mx.float16: (5e-2, 2e-2), mx.bfloat16: (2e-1, 5e-2)}
 EXACT_PATHS = ("reference", "sdpa")
 PATH_DTYPES = [pytest.param(p, d, id=f"{p}-{n}") for p in EXACT_PATHS for n, d in DTYPES.items()]
 PATH_DTYPES += [pytest.param(p.values[0], mx.float16, marks=p.marks, id=f"{p.values[0]}-fp16")
@@ -51,7 +53,9 @@ class Harness:
 
     def __init__(self, name, path, dtype=mx.float32):
         self.cfg = resolve_config(name)
-        self.dtype, self.exact = dtype, path in EXACT_PATHS
+        # GPU SDPA may pick another algorithm for a gathered layout than for mlx-lm's cache
+        self.dtype = dtype
+        self.exact = path in EXACT_PATHS and not ON_GPU
         self.dense = build_model(self.cfg, dtype, seed=7)
         kv = PagedKVCache(self.cfg["num_hidden_layers"], NUM_BLOCKS, BS,
                           self.cfg["num_key_value_heads"], self.cfg["head_dim"], dtype)
