@@ -38,9 +38,12 @@ def run_attention(case: PagedCase, g: Geometry, kernel_factory=metal_kernel):
 
 
 def run_gather(case: PagedCase, g: Geometry, kernel_factory=metal_kernel):
+    """The Metal backend's page gather of every sequence: [(k, v)], each [Hkv, L, D]."""
     seqs = list(range(len(case.seq_lens)))
     plan = plan_gather(case.seq_lens, seqs, g.block_size, g.num_kv_heads, g.head_dim)
-    return metal_backend(kernel_factory).gather(case.k_cache, case.v_cache, case.block_tables, plan)
+    gathered = metal_backend(kernel_factory).gather(case.k_cache, case.v_cache, case.block_tables,
+                                                    plan)
+    return [tuple(x.reshape(-1, *x.shape[-2:]) for x in pair) for pair in gathered]
 
 
 # --- every variant: MLX's exact source, compiled with warnings as errors ----------------------
@@ -186,11 +189,10 @@ def test_case_matches_oracle(name):
 def test_page_gather_is_a_copy(dtype):
     case = PagedCase([5, 1, 40], [7, 300, 33], 8, 2, 128, 16, DTYPES[dtype], seed=3)
     got = run_gather(case, Geometry(8, 2, 128, 16, DTYPES[dtype], 0.1))
-    for s, (k, v) in enumerate(got):
-        np.testing.assert_array_equal(np.array(k.view(mx.uint16)),
-                                      np.array(case.k_seqs[s].transpose(1, 0, 2).view(mx.uint16)))
-        np.testing.assert_array_equal(np.array(v.view(mx.uint16)),
-                                      np.array(case.v_seqs[s].transpose(1, 0, 2).view(mx.uint16)))
+    for s, pair in enumerate(got):
+        for out, want in zip(pair, (case.k_seqs[s], case.v_seqs[s])):
+            np.testing.assert_array_equal(np.array(out.view(mx.uint16)),
+                                          np.array(want.transpose(1, 0, 2).view(mx.uint16)))
 
 
 # --- planted bugs: each source mutation fails a named case ---------------------------------

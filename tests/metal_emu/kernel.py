@@ -106,28 +106,30 @@ class EmulatedKernel:
         if verbose:
             print(f"Generated source code for `{self.name}`:\n```\n{assembled.source}\n```")
         library = build.build(emulate.translation_unit(assembled))
-
-        buffers = []
-        for a, param_names in zip(arrays, self._buffer_names(assembled)):
-            data = _to_numpy(a, self.ensure_row_contiguous)
-            buffers.append(data)
-            itemsize = data.itemsize
-            for suffix in param_names:
-                buffers.append({"shape": np.array(a.shape, np.int32),
-                                "strides": np.array([s // itemsize for s in data.strides], np.int64),
-                                "ndim": np.array(a.ndim, np.int32)}[suffix])
-        outputs = [_output(s, d, init_value) for s, d in zip(output_shapes, output_dtypes)]
+        data = {n: _to_numpy(a, self.ensure_row_contiguous) for n, a in zip(self.input_names, arrays)}
+        outputs = {n: _output(s, d, init_value)
+                   for n, s, d in zip(self.output_names, output_shapes, output_dtypes)}
+        buffers = [_buffer(p.name, data, outputs) for p in assembled.params if not p.attribute]
         _launches += 1
-        run.launch(library, buffers + outputs, tuple(grid), tuple(threadgroup),
+        run.launch(library, buffers, tuple(grid), tuple(threadgroup),
                    seed=OPTIONS.seed * 1_000_003 + _launches, concurrency=OPTIONS.concurrency,
                    jitter=OPTIONS.jitter, timeout=OPTIONS.timeout)
-        return [_from_numpy(o, d, s) for o, d, s in zip(outputs, output_dtypes, output_shapes)]
+        return [_from_numpy(outputs[n], d, s)
+                for n, d, s in zip(self.output_names, output_dtypes, output_shapes)]
 
-    def _buffer_names(self, assembled):
-        """Per input, the shape-info buffers (shape / strides / ndim) its parameters follow with."""
-        names = {p.name for p in assembled.params}
-        return [[s for s in ("shape", "strides", "ndim") if f"{n}_{s}" in names]
-                for n in self.input_names]
+
+def _buffer(name: str, inputs: dict, outputs: dict) -> np.ndarray:
+    """The buffer behind kernel parameter `name`: an input, an output, or an input's
+    `_shape` (int32), `_strides` (int64, in elements) or `_ndim` (int32)."""
+    if name in inputs:
+        return inputs[name]
+    if name in outputs:
+        return outputs[name]
+    base, info = name.rsplit("_", 1)
+    x = inputs[base]
+    return {"shape": lambda: np.array(x.shape, np.int32),
+            "strides": lambda: np.array(x.strides, np.int64) // x.itemsize,
+            "ndim": lambda: np.array(x.ndim, np.int32)}[info]()
 
 
 def metal_kernel(name, input_names, output_names, source, header="", ensure_row_contiguous=True,
