@@ -181,6 +181,7 @@ def test_chunked_prefill_equals_mlx_lm(model, path, chunk):
     assert tokens[100:] == want_tokens
 
 
+@pytest.mark.skipif(ON_GPU, reason="the exact comparison is the CPU paths' (GPU: tolerance)")
 def test_a_softmax_scale_error_is_caught():
     """The exact comparison can fail: a 1% wrong scale in one layer changes the logits."""
     h = Harness("llama-test", "reference", mx.bfloat16)
