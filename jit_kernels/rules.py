@@ -10,44 +10,42 @@ import numpy as np
 
 from .support import Geometry
 
-# CUDA (H200, bf16, H=32, Hkv=8, D=128, block 16, one sequence; bench/attention_sweep.py, see
-# docs/gpu.md). us per call, gather + cuDNN SDPA (sdpa) vs the paged mma.sync kernel:
-#              Lq=64          512            4096
-#   C=1024     133 / 63       161 / 102      601 / 974
-#   C=4096     125 / 80       189 / 213      921 / 1896
-#   C=16384    183 / 131      367 / 683      2218 / 5585
-# cuDNN's SDPA (wgmma) runs ~2.5x this kernel's TFLOP/s, so once a sequence's causal attention
-# work Lq * (C + (Lq + 1) / 2) (FLOPs / 4HD) outweighs its gather copy, SDPA on gathered K/V
-# wins: the crossover lies between 1.05e6 (C=16384, Lq=64: kernel) and 2.2e6 (C=4096, Lq=512:
-# sdpa). Short suffixes stay on the kernel however long the prefix: their gather would cost more
-# than their attention (Lq=16 over 131k keys: a 0.5 GB copy). SDPA runs sequence by sequence,
-# so a batch goes to it only when every sequence is such a prefill: decode rows and short
-# suffixes would cost it a launch each (the sweep's 8-sequence mixed batch: kernel 1.15x).
-CUDA_SDPA_MIN_Q = 128
-CUDA_SDPA_MIN_WORK = 1.5e6
+# CUDA (H200, bf16, H=32, Hkv=8, D=128, block 16, one sequence; bench/attention_sweep.py, the
+# sweep in docs/h200/sweep.json). us per call, SDPA (on gathered K/V, or on the new rows when
+# nothing is cached) vs the paged mma.sync kernel:
+#              Lq=16          64             512            4096
+#   C=0        32 / 21        32 / 21        35 / 35        261 / 686
+#   C=1024     71 / 34        69 / 34        58 / 76        404 / 979
+#   C=4096     55 / 48        72 / 49        100 / 192      742 / 1882
+#   C=16384    121 / 63       127 / 115      289 / 669      2108 / 5718
+# cuDNN's SDPA (wgmma) runs ~2.5x this kernel's TFLOP/s, so from Lq = 512 on it wins whatever
+# the prefix (the gather costs less than the FLOPs it saves); at Lq <= 64 the kernel's single
+# launch and split KV win. End to end (bench/test_bench_prefill.py, docs/h200/prefill.json) a
+# 416-token suffix over 3680 cached tokens also ran faster on SDPA (8B shape: 17.0 vs 20.2 ms);
+# 256 sits between the measured crossover points. SDPA runs sequence by sequence, so a batch
+# goes to it only when every sequence is such a prefill: decode rows and short suffixes would
+# cost it a launch each (32 decode rows with no context: SDPA 734 us, kernel 22 us).
+CUDA_SDPA_MIN_Q = 256
+# Unmeasured on Apple hardware: only fresh long prompts (mlx-lm's own path) leave the kernel.
+METAL_SDPA_MIN_Q = 512
 
 
-def _uncached(cu_seqlens_q: np.ndarray, seq_lens: np.ndarray) -> bool:
-    return bool((np.asarray(seq_lens) == np.diff(cu_seqlens_q)).all())
+def _every_q_len_at_least(cu_seqlens_q: np.ndarray, min_q: int) -> bool:
+    return bool((np.diff(cu_seqlens_q) >= min_q).all())
 
 
 def cuda_prefers_sdpa(cu_seqlens_q: np.ndarray, seq_lens: np.ndarray,
                       geometry: Geometry) -> str | None:
-    if _uncached(cu_seqlens_q, seq_lens):
-        return "no sequence has a cached prefix: SDPA over the new K/V, nothing read back"
-    q_lens = np.diff(cu_seqlens_q).astype(np.float64)
-    work = q_lens * (np.asarray(seq_lens) - q_lens + (q_lens + 1) / 2)
-    if ((q_lens >= CUDA_SDPA_MIN_Q) & (work >= CUDA_SDPA_MIN_WORK)).all():
-        return (f"every sequence is a long prefill (Lq >= {CUDA_SDPA_MIN_Q}, "
-                f"Lq * (C + (Lq + 1) / 2) >= {CUDA_SDPA_MIN_WORK:.0e}): gather + cuDNN SDPA "
-                "measured faster on the H200")
+    if _every_q_len_at_least(cu_seqlens_q, CUDA_SDPA_MIN_Q):
+        return (f"every sequence prefills >= {CUDA_SDPA_MIN_Q} tokens: SDPA over its new K/V "
+                "or its gathered pages measured faster on the H200")
     return None
 
 
 def metal_prefers_sdpa(cu_seqlens_q: np.ndarray, seq_lens: np.ndarray,
                        geometry: Geometry) -> str | None:
-    # Unmeasured on Apple hardware: only the case that reads nothing back (mlx-lm's own path)
-    # leaves the kernel. Replace with a measured rule once timed on an M-series GPU.
-    if _uncached(cu_seqlens_q, seq_lens):
-        return "no sequence has a cached prefix: SDPA over the new K/V, nothing read back"
+    uncached = bool((np.asarray(seq_lens) == np.diff(cu_seqlens_q)).all())
+    if uncached and _every_q_len_at_least(cu_seqlens_q, METAL_SDPA_MIN_Q):
+        return (f"no cached prefix and every sequence prefills >= {METAL_SDPA_MIN_Q} tokens: "
+                "SDPA over the new K/V, nothing read back (rule unmeasured on Apple GPUs)")
     return None

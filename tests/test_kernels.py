@@ -253,9 +253,9 @@ def test_plan_covers_every_row_and_key_once(q_lens, ctx_lens, group, num_sms):
 
 
 @pytest.mark.parametrize("q_lens,ctx_lens,sdpa", [
-    ([4096], [0], True), ([64, 9], [0, 0], True), ([1024], [4096], True),
-    ([2048, 4096], [16384, 0], True), ([512], [16384], True), ([512], [4096], True),
-    ([512], [1024], False), ([64], [16384], False), ([16], [131072], False),
+    ([4096], [0], True), ([64, 9], [0, 0], False), ([1] * 32, [0] * 32, False),
+    ([1024], [4096], True), ([2048, 4096], [16384, 0], True), ([512], [16384], True),
+    ([512], [1024], True), ([64], [16384], False), ([16], [131072], False),
     ([1024, 1], [8192, 50], False), ([16], [4096], False),
 ])
 def test_cuda_measured_rule(q_lens, ctx_lens, sdpa):
@@ -264,6 +264,16 @@ def test_cuda_measured_rule(q_lens, ctx_lens, sdpa):
     lens = np.array(q_lens) + np.array(ctx_lens)
     g = Geometry(32, 8, 128, 16, mx.bfloat16, 128 ** -0.5)
     assert (rules.cuda_prefers_sdpa(cu, lens, g) is not None) == sdpa
+
+
+@pytest.mark.parametrize("q_lens,ctx_lens,sdpa", [
+    ([4096], [0], True), ([4096], [16], False), ([64], [0], False), ([1] * 32, [0] * 32, False),
+])
+def test_metal_rule_leaves_the_kernel_only_for_long_fresh_prompts(q_lens, ctx_lens, sdpa):
+    cu = np.concatenate([[0], np.cumsum(q_lens)])
+    lens = np.array(q_lens) + np.array(ctx_lens)
+    g = Geometry(32, 8, 128, 16, mx.bfloat16, 128 ** -0.5)
+    assert (rules.metal_prefers_sdpa(cu, lens, g) is not None) == sdpa
 
 
 def test_backends_build_without_a_device():
