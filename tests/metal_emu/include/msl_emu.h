@@ -2,6 +2,7 @@
 // source `mx.fast.metal_kernel` generates as C++ and running it on the CPU (tests/metal_emu).
 #pragma once
 
+#include "msl_emu/atomic.h"
 #include "msl_emu/sync.h"
 
 // Metal function qualifier (metal_stdlib).
