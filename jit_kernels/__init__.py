@@ -1,6 +1,6 @@
 """JIT paged-attention kernels: inline CUDA and Metal sources built through MLX.
 
-A one-way library: plain arrays in, arrays out; nothing here imports `paged_prefix`. Each
+A one-way library: plain arrays in, arrays out; nothing here imports the runner package. Each
 backend pairs a paged-attention kernel (plan once per forward, call once per layer) with a
 page-gather kernel feeding `contiguous_sdpa`, and the measured rule for choosing between them.
 Only backends whose device exists on this machine are listed by `available_backends()`.

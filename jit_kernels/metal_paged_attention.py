@@ -92,7 +92,7 @@ ATTENTION_SOURCE = r"""
   const int fn = (lane & 8) / 2 + (lane & 1) * 2;
   const int r = sg * 8 + fm;                  // tile row
   const bool row_valid = r < rows;
-  const bool sg_active = sg * 8 < rows;       // simdgroup-uniform: idle bands only load
+  const bool sg_active = int(sg) * 8 < rows;  // simdgroup-uniform: idle bands only load
   const int row_pos = pos0 + r / GROUP;       // absolute position: sees keys 0 .. row_pos
   const long q_off = (long(tok0 + r / GROUP) * num_heads + kvh * GROUP + r % GROUP) * D + fn;
 

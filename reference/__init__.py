@@ -1,6 +1,6 @@
 """Plain-MLX references: the attention contract and the oracles every kernel is checked against.
 
-Imports nothing of `paged_prefix` or `jit_kernels`: plain arrays in, arrays out.
+Imports nothing of the runner package or of `jit_kernels`: plain arrays in, arrays out.
 """
 
 from .contract import check_arrays, check_lengths, check_paged_inputs

@@ -241,3 +241,50 @@ def test_planted_bug_is_caught(bug):
     assert any(old in src for src in sources), f"{bug}: the kernels changed, update its mutation"
     with pytest.raises((AssertionError, KernelError)):
         check(**CASES[case], kernel_factory=mutated(old, new))
+
+
+# --- the first-use check catches a broken kernel before it serves a forward -------------------
+
+@pytest.mark.parametrize("bug, strict", [("causal_frontier_off_by_one", False),
+                                         ("missing_barrier_after_tile_load", False),
+                                         ("causal_frontier_off_by_one", True)])
+def test_canary_catches_a_broken_metal_kernel(bug, strict, monkeypatch, caplog):
+    """A planted bug in the real Metal source, run through the dispatcher: the canary compares
+    the variant with the reference on first use, logs one warning naming the variant and falls
+    back to the reference (or raises when strict), before any forward uses the kernel."""
+    from paged_prefix import dispatch
+    from paged_prefix.metadata import build_attention_metadata
+
+    monkeypatch.setattr(dispatch, "_VERDICTS", {})
+    backend = metal_backend(mutated(*PLANTED_BUGS[bug][0]))
+    d = dispatch.Dispatcher("auto", backends={"metal": backend}, strict=strict)
+    case = PagedCase([9, 1], [40, 70], 8, 2, 64, 16, mx.float16, seed=4)
+    meta = build_attention_metadata([9, 1], [40, 70], case.pages, 16, case.num_blocks)
+    g = Geometry(8, 2, 64, 16, mx.float16, 0.125)
+    if strict:
+        with pytest.raises(RuntimeError, match="first-use check"):
+            d.plan(meta, g)
+        return
+    with caplog.at_level("WARNING", logger="paged_prefix.dispatch"):
+        attention = d.plan(meta, g)
+    assert attention.choice.path == "reference" and "first-use check" in attention.choice.reason
+    assert any("metal attention kernel for dtype=float16 head_dim=64 group=4 block=16" in
+               r.getMessage() for r in caplog.records)
+    out = attention(case.q, case.k_new, case.v_new, case.k_cache, case.v_cache)
+    assert_close(out, case.oracle(0.125), mx.float16)
+    assert d.counts == {"reference": 1}
+
+
+def test_dispatcher_runs_the_checked_metal_kernel(monkeypatch):
+    """Unbroken, the same variant passes its first-use check and `auto` engages the kernel."""
+    from paged_prefix import dispatch
+    from paged_prefix.metadata import build_attention_metadata
+
+    monkeypatch.setattr(dispatch, "_VERDICTS", {})
+    d = dispatch.Dispatcher("auto", backends={"metal": metal_backend(metal_kernel)}, strict=True)
+    case = PagedCase([9, 1], [40, 70], 8, 2, 64, 16, mx.float16, seed=4)
+    meta = build_attention_metadata([9, 1], [40, 70], case.pages, 16, case.num_blocks)
+    attention = d.plan(meta, Geometry(8, 2, 64, 16, mx.float16, 0.125))
+    out = attention(case.q, case.k_new, case.v_new, case.k_cache, case.v_cache)
+    assert attention.choice.path == "metal" and d.counts == {"metal": 1}
+    assert_close(out, case.oracle(0.125), mx.float16)
