@@ -29,10 +29,11 @@ from dataclasses import dataclass
 
 import mlx.core as mx
 import mlx.nn as nn
+import numpy as np
 import torch
 from vllm.config import VllmConfig
 from vllm.sampling_params import SamplingParams
-from vllm.v1.core.sched.output import NewRequestData, SchedulerOutput
+from vllm.v1.core.sched.output import GrammarOutput, NewRequestData, SchedulerOutput
 from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig
 from vllm.v1.outputs import EMPTY_MODEL_RUNNER_OUTPUT, LogprobsLists, ModelRunnerOutput
 
@@ -153,19 +154,18 @@ class VllmModelRunner:
         self._pending = (_Step(requests, req_ids, meta), logits)
         return None
 
-    def sample_tokens(self, grammar_output) -> ModelRunnerOutput:
-        """Sample the pending forward's rows with vLLM's Sampler; append the tokens."""
+    def sample_tokens(self, grammar_output: GrammarOutput | None) -> ModelRunnerOutput:
+        """Sample the pending forward's rows with vLLM's Sampler, constrained by the
+        structured-output requests' grammar bitmask when there is one; append the tokens."""
         if self._pending is None:
             raise ValueError("sample_tokens: no forward is pending (run_forward first)")
-        if grammar_output is not None:
-            raise ValueError("grammar_output: structured output is not supported by this runner")
         (step, logits), self._pending = self._pending, None
         sample_ids = step.meta.sample_req_ids
         sampled: dict[str, int] = {}
         logprobs = None
         if sample_ids:
             rows = [self._row(step.requests[r]) for r in sample_ids]
-            out = self.sampler.sample(logits, rows)
+            out = self.sampler.sample(logits, rows, _grammar_rows(grammar_output, sample_ids))
             sampled = dict(zip(sample_ids, out.sampled_token_ids[:, 0].tolist()))
             if out.logprobs_tensors is not None:
                 logprobs = _in_output_order(out.logprobs_tensors.tolists(), sample_ids, step.req_ids)
@@ -282,6 +282,16 @@ class VllmModelRunner:
     def _row(state: _Request) -> SamplingRow:
         return SamplingRow(state.params, state.prompt_token_ids, state.output_token_ids,
                            state.generator)
+
+
+def _grammar_rows(grammar: GrammarOutput | None, sample_ids) -> dict[int, np.ndarray] | None:
+    """The bitmask rows of the structured-output requests that sample in this step, keyed by
+    their sampling row (a request still mid-prompt has a bitmask row but samples nothing)."""
+    if grammar is None:
+        return None
+    row_of = {r: i for i, r in enumerate(sample_ids)}
+    return {row_of[r]: grammar.grammar_bitmask[k]
+            for k, r in enumerate(grammar.structured_output_request_ids) if r in row_of}
 
 
 def _in_output_order(lists: LogprobsLists, sample_ids, req_ids: list[str]) -> LogprobsLists:

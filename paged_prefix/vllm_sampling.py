@@ -5,8 +5,10 @@ order). They cross to the host once (numpy, then a torch CPU view) and go throug
 `vllm.v1.sample.sampler.Sampler` with a `SamplingMetadata` built for exactly those rows:
 greedy, temperature, top-k, top-p, min-p, per-request seeds, repetition / presence /
 frequency penalties, logit bias, min_tokens, allowed and bad words, and logprobs are
-vLLM's code, not a re-implementation. The vocabulary-sized copy is the price (a few
-hundred KB per row), paid once per step.
+vLLM's code, not a re-implementation. Structured output arrives as vLLM's grammar bitmask
+(rows computed by the engine's xgrammar backend), applied with xgrammar before sampling as
+vLLM's own runners do. The vocabulary-sized copy is the price (a few hundred KB per row),
+paid once per step.
 
 Rows differ from step to step (requests finish, chunks end mid-prompt), so the built-in
 logits processors get every row re-added each step; vLLM's BatchUpdate contract allows
@@ -24,6 +26,7 @@ from dataclasses import dataclass
 import mlx.core as mx
 import numpy as np
 import torch
+import xgrammar
 from vllm.config import VllmConfig
 from vllm.sampling_params import SamplingParams, SamplingType
 from vllm.v1.outputs import SamplerOutput
@@ -37,7 +40,6 @@ _UNSUPPORTED = {
     "prompt_logprobs": "prompt logprobs are not computed (only the sampling rows reach "
                        "the vocabulary projection)",
     "prompt_logprob_token_ids": "prompt logprobs are not computed",
-    "structured_outputs": "structured output (guided decoding) is not wired into this runner",
     "thinking_token_budget": "thinking budgets are not wired into this runner",
     "trace_decode_token_ids": "trace replay is not supported",
 }
@@ -84,8 +86,10 @@ class BatchSampler:
                                              is_pooling_model=False)
         self._batch_size = 0
 
-    def sample(self, logits: mx.array, rows: Sequence[SamplingRow]) -> SamplerOutput:
-        """Sample one token per row of `logits` [len(rows), vocab] (float32)."""
+    def sample(self, logits: mx.array, rows: Sequence[SamplingRow],
+               grammar: dict[int, np.ndarray] | None = None) -> SamplerOutput:
+        """Sample one token per row of `logits` [len(rows), vocab] (float32); `grammar` maps
+        a row to its packed token bitmask (int32 words, bit set = allowed)."""
         if logits.shape != (len(rows), self.vocab_size):
             raise ValueError(f"logits: expected shape ({len(rows)}, {self.vocab_size}), "
                              f"got {tuple(logits.shape)}")
@@ -93,6 +97,12 @@ class BatchSampler:
             raise ValueError(f"rows: {len(rows)} sampling rows exceed max_num_seqs={self.max_rows}")
         self._refresh_logitsprocs(rows)
         host = torch.from_numpy(np.array(logits, dtype=np.float32))
+        if grammar:
+            indices = sorted(grammar)
+            masks = torch.from_numpy(np.stack([grammar[i] for i in indices]).astype(np.int32))
+            full = torch.full((len(rows), masks.shape[1]), -1, dtype=torch.int32)  # -1: all allowed
+            full[indices] = masks
+            xgrammar.apply_token_bitmask_inplace(host, full, vocab_size=self.vocab_size)
         return self.sampler(host, self._metadata(rows))
 
     def _refresh_logitsprocs(self, rows: Sequence[SamplingRow]) -> None:
