@@ -94,3 +94,23 @@ def test_smollm2_folders_load_and_answer(variant):
         request = ScheduledRequest("a", ids, len(ids), 0, len(ids), [0, 1])
         ids = ids + runner.greedy(build_batch_metadata([request], 16, 4))
     assert "Paris" in tokenizer.decode(ids[-2:])
+
+
+def test_dense_folder_is_a_hugging_face_llama_checkpoint():
+    """The conversion undoes llama.cpp's q/k row permutation: transformers' own
+    LlamaForCausalLM (standard RoPE, no mlx-lm option) reads the float32 folder and gives
+    mlx-lm's logits."""
+    import numpy as np
+    import torch
+    from mlx_lm import load
+    from transformers import AutoModelForCausalLM
+
+    folder = smollm2("float32")
+    model, tokenizer = load(str(folder))
+    ids = tokenizer.encode("The capital of France is")
+    expected = np.array(model(mx.array([ids]))[0])
+    hf = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
+    with torch.no_grad():
+        logits = hf(torch.tensor([ids])).logits[0].numpy()
+    np.testing.assert_allclose(logits, expected, atol=2e-3, rtol=0)
+    assert "Paris" in tokenizer.decode([int(logits[-1].argmax())])
