@@ -114,3 +114,18 @@ def test_dense_folder_is_a_hugging_face_llama_checkpoint():
         logits = hf(torch.tensor([ids])).logits[0].numpy()
     np.testing.assert_allclose(logits, expected, atol=2e-3, rtol=0)
     assert "Paris" in tokenizer.decode([int(logits[-1].argmax())])
+
+
+@pytest.mark.parametrize("args, message", [
+    # the measured budget: 1% of the host's RAM cannot even hold the weights
+    (["--gpu-memory-utilization", "0.01"], "no memory is left for the KV cache"),
+    # vLLM's own check on the budget: one sequence of max_model_len tokens must fit
+    (["--kv-cache-memory-bytes", "1000000"], "To serve at least one request"),
+])
+def test_server_refuses_to_start_without_room_for_one_sequence(tmp_path, args, message):
+    from bench.vllm_server import VllmServer
+
+    with pytest.raises(RuntimeError, match="exited") as error:
+        with VllmServer(smollm2(), ["--max-model-len", "2048", *args], tmp_path / "server.log"):
+            pass
+    assert message in (tmp_path / "server.log").read_text(), str(error.value)
