@@ -99,7 +99,7 @@ class Engine:
             vllm_config=vllm_config, kv_cache_config=kv_cache_config,
             structured_output_manager=StructuredOutputManager(vllm_config),
             block_size=config.block_size, log_stats=True)
-        self.runner = VllmModelRunner(self.model, Dispatcher(config.attention))
+        self.runner = VllmModelRunner(self.model, Dispatcher(config.attention), vllm_config)
         self.runner.initialize_kv_cache(kv_cache_config)
         init_none_hash(sha256)
         self._hasher = get_request_block_hasher(config.block_size, sha256)

@@ -75,8 +75,6 @@ class VllmModelRunner:
         self.model = model
         self.dispatcher = dispatcher
         self.vocab_size = model.args.vocab_size
-        # TODO(lead): engine.py could pass its VllmConfig (max_num_seqs, logprobs mode);
-        # the defaults serve its greedy requests.
         self.sampler = BatchSampler(self.vocab_size, vllm_config or VllmConfig())
         self.runner: PagedModelRunner | None = None
         self.requests: dict[str, _Request] = {}
