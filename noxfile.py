@@ -1,5 +1,5 @@
 """Sessions: tests (default), metal_emulated, demo, bench, serve-bench, lint; cuda and metal run
-the GPU tests where that backend exists (the H200 runs have no network: see docs/gpu.md)."""
+the GPU tests and benchmarks where that MLX backend exists (docs/gpu.md)."""
 
 import sys
 from pathlib import Path

@@ -332,27 +332,21 @@ class CudaAttentionPlan:
     counters: mx.array  # int32 [num_tiles], zero between launches
 
 
-class CudaPagedAttention:
+class CudaPagedAttention(support.PagedAttentionKernel):
     """plan() once per forward, then call once per layer; kernels are built once per variant.
 
     `cuda_kernel` is MLX's factory; tests pass a stand-in to break a kernel on purpose.
     """
 
     name = "cuda"
+    head_dims = HEAD_DIMS
 
     def __init__(self, cuda_kernel=None):
-        self._cuda_kernel = cuda_kernel or mx.fast.cuda_kernel
-        self._kernels: dict[tuple, object] = {}
-
-    def unsupported_reason(self, geometry: Geometry) -> str | None:
-        return support.unsupported_reason(geometry, HEAD_DIMS)
+        super().__init__(cuda_kernel or mx.fast.cuda_kernel)
 
     def plan(self, cu_seqlens_q: np.ndarray, seq_lens: np.ndarray,
              geometry: Geometry) -> CudaAttentionPlan:
-        why_not = self.unsupported_reason(geometry)
-        if why_not:
-            raise ValueError(f"cuda paged attention cannot run this geometry: {why_not}")
-        lengths = support.Lengths.of(cu_seqlens_q, seq_lens)
+        lengths = self._lengths(cu_seqlens_q, seq_lens, geometry)
         group, num_kv_heads = geometry.group, geometry.num_kv_heads
         block_m = choose_block_m(lengths.num_tokens, group, num_kv_heads)
         # 128-row plans are chosen only when they fill the GPU: never split them
@@ -369,7 +363,7 @@ class CudaPagedAttention:
         if key not in self._kernels:
             variant = (f"{support.dtype_name(g.dtype)}_d{g.head_dim}_g{g.group}_b{g.block_size}"
                        f"_m{block_m}_s{STAGES}")
-            self._kernels[key] = self._cuda_kernel(
+            self._kernels[key] = self._factory(
                 name=f"paged_prefill_{_SOURCE_HASH}_{variant}",
                 input_names=["q", "k_cache", "v_cache", "block_tables", "work", "qk_scale",
                              "counters"],
@@ -381,17 +375,10 @@ class CudaPagedAttention:
             )
         return self._kernels[key]
 
-    def __call__(self, q: mx.array, k_cache: mx.array, v_cache: mx.array,
-                 block_tables: mx.array, plan: CudaAttentionPlan) -> mx.array:
-        """The contract of `reference.contract` in one launch; no host sync."""
-        support.check_call("cuda", plan.geometry, q, k_cache, v_cache, block_tables,
-                           plan.lengths)
-        return self.launch(q, k_cache, v_cache, block_tables, plan)
-
     def launch(self, q: mx.array, k_cache: mx.array, v_cache: mx.array,
                block_tables: mx.array, plan) -> mx.array:
-        """`__call__` without its entry check, for callers that validated the plan against
-        these arrays already (a forward launches once per layer)."""
+        """The call without its entry check, for callers that validated the plan against these
+        arrays already (a forward launches once per layer)."""
         g = plan.geometry
         tiles, block_m = plan.tiles, plan.block_m
         slots = max(tiles.num_slots, 1)  # outputs cannot be empty; unused when nothing is split

@@ -251,27 +251,21 @@ class MetalAttentionPlan:
     qk_scale: mx.array  # float32 [1]: scale * log2(e), folded into Q
 
 
-class MetalPagedAttention:
+class MetalPagedAttention(support.PagedAttentionKernel):
     """plan() once per forward, then call once per layer; kernels are built once per variant.
 
     `metal_kernel` is MLX's factory; tests pass the CPU emulation of it, or a broken one.
     """
 
     name = "metal"
+    head_dims = HEAD_DIMS
 
     def __init__(self, metal_kernel=None):
-        self._metal_kernel = metal_kernel or mx.fast.metal_kernel
-        self._kernels: dict[tuple, object] = {}
-
-    def unsupported_reason(self, geometry: Geometry) -> str | None:
-        return support.unsupported_reason(geometry, HEAD_DIMS)
+        super().__init__(metal_kernel or mx.fast.metal_kernel)
 
     def plan(self, cu_seqlens_q: np.ndarray, seq_lens: np.ndarray,
              geometry: Geometry) -> MetalAttentionPlan:
-        why_not = self.unsupported_reason(geometry)
-        if why_not:
-            raise ValueError(f"metal paged attention cannot run this geometry: {why_not}")
-        lengths = support.Lengths.of(cu_seqlens_q, seq_lens)
+        lengths = self._lengths(cu_seqlens_q, seq_lens, geometry)
         tiles = tile_plan.build_tile_plan(lengths.cu_seqlens_q, lengths.seq_lens, geometry.group,
                                           geometry.num_kv_heads, BLOCK_Q,
                                           BLOCK_N[geometry.head_dim], GPU_CORES)
@@ -290,22 +284,15 @@ class MetalPagedAttention:
             }[kind]
             # ensure_row_contiguous (the default) copies a strided input: PagedKVCache.blocks()
             # views are contiguous, so the caches are bound in place.
-            self._kernels[key] = self._metal_kernel(
+            self._kernels[key] = self._factory(
                 name=f"metal_paged_{kind}_{_SOURCE_HASH}_{variant}", input_names=inputs,
                 output_names=outputs, source=source, header=HEADER)
         return self._kernels[key]
 
-    def __call__(self, q: mx.array, k_cache: mx.array, v_cache: mx.array,
-                 block_tables: mx.array, plan: MetalAttentionPlan) -> mx.array:
-        """The contract of `reference.contract` in one launch (two when KV is split)."""
-        support.check_call("metal", plan.geometry, q, k_cache, v_cache, block_tables,
-                           plan.lengths)
-        return self.launch(q, k_cache, v_cache, block_tables, plan)
-
     def launch(self, q: mx.array, k_cache: mx.array, v_cache: mx.array,
                block_tables: mx.array, plan) -> mx.array:
-        """`__call__` without its entry check, for callers that validated the plan against
-        these arrays already (a forward launches once per layer)."""
+        """The call without its entry check, for callers that validated the plan against these
+        arrays already (a forward launches once per layer)."""
         g = plan.geometry
         tiles = plan.tiles
         slots = max(tiles.num_slots, 1)  # outputs cannot be empty; unused when nothing is split

@@ -92,6 +92,37 @@ def check_call(backend: str, geometry: Geometry, q: mx.array, k_cache: mx.array,
                          f"{got} differ from the plan's {want}")
 
 
+class PagedAttentionKernel:
+    """What the CUDA and Metal paged kernels share: support rules, the plan's entry check, the
+    checked call. Subclasses set `name` and `head_dims` and implement `plan` and `launch`;
+    kernels are built through `kernel_factory` (MLX's, or a test's stand-in) once per variant.
+    """
+
+    name: str
+    head_dims: tuple[int, ...]
+
+    def __init__(self, kernel_factory):
+        self._factory = kernel_factory
+        self._kernels: dict[tuple, object] = {}
+
+    def unsupported_reason(self, geometry: Geometry) -> str | None:
+        return unsupported_reason(geometry, self.head_dims)
+
+    def _lengths(self, cu_seqlens_q: np.ndarray, seq_lens: np.ndarray,
+                 geometry: Geometry) -> Lengths:
+        """A plan's first step: refuse an unsupported geometry, validate the host lengths."""
+        why_not = self.unsupported_reason(geometry)
+        if why_not:
+            raise ValueError(f"{self.name} paged attention cannot run this geometry: {why_not}")
+        return Lengths.of(cu_seqlens_q, seq_lens)
+
+    def __call__(self, q: mx.array, k_cache: mx.array, v_cache: mx.array,
+                 block_tables: mx.array, plan) -> mx.array:
+        """The contract of `reference.contract`; no host sync."""
+        check_call(self.name, plan.geometry, q, k_cache, v_cache, block_tables, plan.lengths)
+        return self.launch(q, k_cache, v_cache, block_tables, plan)
+
+
 def source_hash(*sources: str) -> str:
     """Short hash of kernel sources, for kernel names: MLX caches compiled kernels by name
     (on disk too) and would silently reuse a stale one after a source change."""
