@@ -9,7 +9,7 @@ threadgroups, which MSL offers only from Metal 3.2 on, and nothing here could ch
 hardware.
 
 Nothing here has been run or timed on Apple hardware. The exact sources MLX would compile are
-executed on the CPU by the tests (`tests/metal_emu`), against the dense oracle.
+executed on the CPU by the tests (`tests/metal_emu`), against a float64 oracle.
 """
 
 from __future__ import annotations

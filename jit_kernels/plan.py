@@ -61,7 +61,6 @@ class TilePlan:
     num_items: int
     num_tiles: int
     num_slots: int  # partial slots: one per item of a split tile
-    max_rows: int  # most valid rows in one query tile (ntok * group)
     work_host: np.ndarray
     merge_host: np.ndarray | None
 
@@ -145,7 +144,6 @@ def build_tile_plan(
         num_items=len(work),
         num_tiles=len(seq),
         num_slots=int(slots_per_tile.sum()),
-        max_rows=int(ntok.max()) * group,
         work_host=work,
         merge_host=merge_host,
     )
