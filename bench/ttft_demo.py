@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import sys
 import time
 from pathlib import Path
@@ -121,6 +122,8 @@ def main(argv=None) -> int:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", type=Path, default=Path("results/ttft"))
     args = ap.parse_args(argv)
+    # vLLM's notices about its own (CUDA/CPU) model runners concern nothing this demo runs
+    logging.getLogger("vllm").setLevel(logging.ERROR)
 
     vocab = resolve_config(args.model)["vocab_size"]
     prompts = prefix_repetition(args.num_prefixes, args.prompts_per_prefix, args.prefix_len,
