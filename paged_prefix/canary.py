@@ -24,7 +24,11 @@ NUM_KV_HEADS = 2
 TOLERANCES = {mx.float16: (4e-3, 4e-3), mx.bfloat16: (3e-2, 3e-2)}
 
 
-def _case(g: Geometry, seed: int = 0):
+def _case(variant: Geometry, seed: int = 0):
+    """The case for `variant`'s kernel on NUM_KV_HEADS kv heads: (geometry, q, k_cache, v_cache,
+    block_tables, cu_seqlens_q, seq_lens)."""
+    g = Geometry(NUM_KV_HEADS * variant.group, NUM_KV_HEADS, variant.head_dim,
+                 variant.block_size, variant.dtype, variant.head_dim ** -0.5)
     rng = np.random.default_rng(seed)
     q_lens = [q for q, _ in CASE]
     seq_lens = np.array([q + c for q, c in CASE])
@@ -47,7 +51,7 @@ def _case(g: Geometry, seed: int = 0):
     q = mx.array(rng.standard_normal((sum(q_lens), NUM_KV_HEADS * g.group, g.head_dim))
                  .astype(np.float32)).astype(g.dtype)
     cu = np.concatenate([[0], np.cumsum(q_lens)])
-    return q, k_cache, v_cache, mx.array(table), cu, seq_lens
+    return g, q, k_cache, v_cache, mx.array(table), cu, seq_lens
 
 
 def _mismatch(out: mx.array, want: mx.array, tol: tuple[float, float]) -> str | None:
@@ -63,9 +67,7 @@ def _mismatch(out: mx.array, want: mx.array, tol: tuple[float, float]) -> str | 
 
 def check_attention(backend: KernelBackend, g: Geometry) -> str | None:
     """None when the backend's paged kernel matches the reference on this variant, else why."""
-    small = Geometry(NUM_KV_HEADS * g.group, NUM_KV_HEADS, g.head_dim, g.block_size, g.dtype,
-                     g.head_dim ** -0.5)
-    q, k_cache, v_cache, table, cu, seq_lens = _case(small)
+    small, q, k_cache, v_cache, table, cu, seq_lens = _case(g)
     want = reference.paged_attention(*(x.astype(mx.float32) for x in (q, k_cache, v_cache)),
                                      table, cu, seq_lens, small.scale)
     try:
@@ -80,9 +82,7 @@ def check_attention(backend: KernelBackend, g: Geometry) -> str | None:
 def check_gather(backend: KernelBackend, g: Geometry) -> str | None:
     """None when gather + SDPA through the backend's gather kernel equals the MLX-gather path
     exactly (a copy has no rounding), else why."""
-    small = Geometry(NUM_KV_HEADS * g.group, NUM_KV_HEADS, g.head_dim, g.block_size, g.dtype,
-                     g.head_dim ** -0.5)
-    q, k_cache, v_cache, table, cu, seq_lens = _case(small)
+    small, q, k_cache, v_cache, table, cu, seq_lens = _case(g)
     plan = plan_sdpa(cu, seq_lens, small)
     new = mx.zeros((q.shape[0], NUM_KV_HEADS, g.head_dim), dtype=g.dtype)  # unused: all cached
     want = sdpa_attention(q, new, new, k_cache, v_cache, table, plan)
