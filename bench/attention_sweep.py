@@ -9,8 +9,9 @@ a GPU kernel backend) shrinks the sizes.
 
 Paths: ceiling = SDPA on K/V that are already contiguous (no paging at all); reference = MLX
 gather + SDPA; sdpa = SDPA over the new K/V (C = 0) or pages copied by the backend's gather
-kernel; kernel = the backend's paged kernel; auto = the dispatcher's choice; gather = the
-gather kernel alone (its GB/s counts bytes read + written).
+kernel; kernel = the backend's paged kernel; auto = the dispatcher's choice for a shape asked
+for before (its steady state: rules.CudaSdpaRule); gather = the gather kernel alone (its GB/s
+counts bytes read + written).
 
 Per path: microseconds per call, TFLOP/s with FLOPs = 4 H D Lq (C + (Lq + 1) / 2) per
 sequence, and effective GB/s = (K/V read + q + out bytes) / time. Timing: one mx.eval round
@@ -144,7 +145,9 @@ def path_fns(case: Case, backend_name: str | None) -> dict:
         if sdpa_plan.gather.seqs:
             fns["gather"] = lambda: backend.gather(case.k_cache, case.v_cache, tables,
                                                    sdpa_plan.gather)
-    auto = Dispatcher("auto").plan(m, g)
+    dispatcher = Dispatcher("auto")
+    dispatcher.plan(m, g)  # a shape's first request runs the kernel (rules.CudaSdpaRule)
+    auto = dispatcher.plan(m, g)  # the choice from then on
     fns["auto"] = lambda: auto(*args)
     return fns, auto.choice.path
 

@@ -1,16 +1,18 @@
 """Where one attention layer of the paged runner spends its time, next to mlx-lm's.
 
-    python bench/layer_costs.py [--out layer_costs.json]
+    python bench/layer_costs.py [--head-dim 128|64] [--out layer_costs.json]
 
 Times (us per call, many independent calls per mx.eval) the pieces that differ between the
-paged path and mlx-lm's contiguous cache, at H=32, Hkv=8, D=128, bf16:
+paged path and mlx-lm's contiguous cache, at H=32, Hkv=8, bf16 and D=128 (Llama-3-8B) or 64
+(the 1.1B config):
   sdpa/<q>/<kv>   mx.fast.scaled_dot_product_attention with q and K/V laid out as
                   bhsd (contiguous [1, H, L, D]), bshd (a transposed view of [L, H, D]) or
                   slice (mlx-lm's cache: the first L rows of a longer [1, Hkv, cap, D] buffer);
                   lazy: the bshd views built inside each call, as a forward builds them;
   sdpa_path       jit_kernels.contiguous_sdpa on the same new rows (C = 0);
   rope/...        RoPE with one offset per token (the packed batch) vs one scalar offset;
-  write/...       the paged cache's scatter vs mlx-lm's slice update of its buffer;
+  write/...       the paged cache's write of K and V to contiguous slots (slice updates) and
+                  to shuffled ones (scatter) vs mlx-lm's slice update of its K buffer;
   gather/u<N>     the page-gather kernel with N loads in flight per thread (GB/s read + write).
 """
 
@@ -59,9 +61,12 @@ def layouts(lq: int, lk: int):
 
 
 def main() -> None:
+    global D
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", default="layer_costs.json")
+    parser.add_argument("--head-dim", type=int, default=D, choices=(64, 128))
     args = parser.parse_args()
+    D = args.head_dim
     rows = {}
 
     def record(name, fn, nbytes=None):
@@ -101,19 +106,21 @@ def main() -> None:
         record(f"rope/T{t}/scalar", lambda xt=xt: rope(xt, offset=14336))
     for t in (4096, 2048):
         cache = PagedKVCache(1, 16384 // BS + 1, BS, HKV, D, DTYPE)
-        slots = cache.slots(np.arange(16384 - t, 16384))
+        runs = cache.slots(np.arange(16384 - t, 16384))
+        shuffled = cache.slots(np.random.default_rng(0).permutation(16384)[:t])
         k = rand(t, HKV, D)
         buf = [mx.zeros((1, HKV, 16384, D), DTYPE)]
         mx.eval(k, buf)
 
-        def paged_write(cache=cache, k=k, slots=slots):
+        def paged_write(cache=cache, k=k, slots=runs):
             cache.write(0, k, k, slots)
             return cache.arrays()
 
         def slice_write(buf=buf, k=k, t=t):
             buf[0][..., 16384 - t:, :] = k.transpose(1, 0, 2)[None]
             return buf
-        record(f"write/T{t}/paged_scatter_kv", paged_write)
+        record(f"write/T{t}/paged_runs_kv", paged_write)
+        record(f"write/T{t}/paged_scatter_kv", lambda w=paged_write, s=shuffled: w(slots=s))
         record(f"write/T{t}/mlx_lm_slice_update_k", slice_write)
     backend = available_backends().get("cuda") or available_backends().get("metal")
     if backend:

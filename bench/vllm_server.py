@@ -3,8 +3,9 @@
     with VllmServer(model_dir, ["--max-model-len", "1024"], log_path) as server:
         requests.post(server.url + "/v1/completions", ...)
 
-Starts the real CLI from the current environment (the project's platform plugin must be
-installed there), waits until `/v1/models` answers, and stops it with SIGINT (vLLM's own
+Starts the real CLI (`vllm`'s own entry module, run by this interpreter, so it works
+where the console script is not on PATH) from the current environment (the project's platform
+plugin must be installed there), waits until `/v1/models` answers, and stops it with SIGINT (vLLM's own
 shutdown path), then SIGKILL if it lingers. VLLM_TARGET_DEVICE is removed from the child's
 environment: set to cpu it makes vLLM take its own CPU platform before any plugin.
 """
@@ -12,13 +13,15 @@ environment: set to cpu it makes vLLM take its own CPU platform before any plugi
 from __future__ import annotations
 
 import os
-import shutil
 import signal
 import socket
 import subprocess
+import sys
 import time
 import urllib.request
 from pathlib import Path
+
+VLLM_CLI = (sys.executable, "-m", "vllm.entrypoints.cli.main")
 
 
 def free_port() -> int:
@@ -38,14 +41,11 @@ class VllmServer:
         self.process: subprocess.Popen | None = None
 
     def __enter__(self) -> VllmServer:
-        cli = shutil.which("vllm")
-        if cli is None:
-            raise FileNotFoundError("vllm: the CLI is not on PATH (install the serving extras)")
         env = {k: v for k, v in os.environ.items() if k != "VLLM_TARGET_DEVICE"}
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         log = self.log_path.open("w")
         self.process = subprocess.Popen(
-            [cli, "serve", self.model, "--host", "127.0.0.1", "--port", str(self.port),
+            [*VLLM_CLI, "serve", self.model, "--host", "127.0.0.1", "--port", str(self.port),
              "--served-model-name", self.served_name,
              # a grace period lets the engine process exit by itself on SIGINT; with vLLM's
              # default of 0 it is killed at once and the API server logs EngineDeadError

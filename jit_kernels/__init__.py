@@ -38,7 +38,7 @@ class KernelBackend:
 def cuda_backend(cuda_kernel=None) -> KernelBackend:
     factory = cuda_kernel or mx.fast.cuda_kernel
     return KernelBackend("cuda", CudaPagedAttention(factory), PageGather("cuda", factory),
-                         rules.cuda_prefers_sdpa)
+                         rules.CudaSdpaRule())
 
 
 def metal_backend(metal_kernel=None) -> KernelBackend:

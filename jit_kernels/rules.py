@@ -42,6 +42,36 @@ def cuda_prefers_sdpa(cu_seqlens_q: np.ndarray, seq_lens: np.ndarray,
     return None
 
 
+class CudaSdpaRule:
+    """`cuda_prefers_sdpa` for shapes asked for before in this process; the kernel otherwise.
+
+    cuDNN builds an execution graph the first time it meets an SDPA shape (MLX caches it by
+    shape): on the H200 that first call took 69-107 ms in one run and 37-634 ms in another,
+    where the cached call takes 0.2-0.6 ms (bf16, H=32, Hkv=8, D=64; docs/h200/new_shapes.txt).
+    Serving meets new (query, key) lengths at almost every step, and a 1.1B model's whole
+    2048-token step takes ~12 ms, so under the length rule alone a server stalled for a graph
+    build on most steps. The first request of a shape therefore runs the paged kernel, which
+    compiles once per variant; a shape that comes again, and so is likely to keep coming, goes
+    to SDPA and pays for its graph once. (With every graph built, SDPA and the kernel took
+    about the same time over a chunked prefill of 32 prompts: 467 vs 448 ms.)
+    """
+
+    def __init__(self):
+        self._asked: set[tuple] = set()
+
+    def __call__(self, cu_seqlens_q: np.ndarray, seq_lens: np.ndarray,
+                 geometry: Geometry) -> str | None:
+        reason = cuda_prefers_sdpa(cu_seqlens_q, seq_lens, geometry)
+        if reason is None:
+            return None
+        g = geometry
+        shapes = {(g.num_heads, g.num_kv_heads, g.head_dim, g.dtype, int(q), int(k))
+                  for q, k in zip(np.diff(cu_seqlens_q), seq_lens)}
+        new = shapes - self._asked
+        self._asked |= shapes
+        return None if new else f"{reason}, at shapes asked for before (cuDNN graphs built)"
+
+
 def metal_prefers_sdpa(cu_seqlens_q: np.ndarray, seq_lens: np.ndarray,
                        geometry: Geometry) -> str | None:
     uncached = bool((np.asarray(seq_lens) == np.diff(cu_seqlens_q)).all())

@@ -13,7 +13,11 @@ scatter takes nothing wider than 4 bytes. Readers get the cache dtype back throu
 
 Writes take `Slots`, validated once per forward against this cache on the host (no padding
 slots: every row written is a real token), so the per-layer write needs no host sync and an
-out-of-range slot can never reach MLX's scatter, which does not bound-check.
+out-of-range slot can never reach MLX's scatter, which does not bound-check. Slots that form a
+few contiguous runs (a prefill into consecutive blocks, as a fresh vLLM block pool hands them
+out) are written as slice updates, a plain copy; others by scatter, which on an H200 takes
+about twice as long for the same rows (4096 rows of 8 x 128 bf16: 74 µs for K and V against
+2 x 17 µs).
 """
 
 from __future__ import annotations
@@ -26,6 +30,8 @@ import numpy as np
 from .validate import as_int, as_ints
 
 SUPPORTED_DTYPES = (mx.float16, mx.bfloat16, mx.float32)
+# More runs than this are scattered: each run is two slice-update ops to build per layer.
+MAX_SLICE_RUNS = 4
 
 
 @dataclass(frozen=True, eq=False)
@@ -33,8 +39,9 @@ class Slots:
     """Cache rows of one forward's new tokens, checked against one cache (`PagedKVCache.slots`)."""
 
     cache_id: int
-    device: mx.array  # int64 [T]
     count: int
+    runs: tuple[tuple[int, int, int], ...]  # (first slot, first row, length); () to scatter
+    device: mx.array | None  # int32 [T] slot per row, for the scatter; None with runs
 
 
 class PagedKVCache:
@@ -78,12 +85,22 @@ class PagedKVCache:
         """Validate host slot ids ([T] ints in [0, num_blocks * block_size), no repeats)."""
         rows = as_ints(slot_mapping, "slot_mapping", low=0,
                        high=self.num_blocks * self.block_size - 1)
-        if len(np.unique(rows)) != len(rows):
+        cuts = np.flatnonzero(np.diff(rows) != 1) + 1
+        if len(rows) and len(cuts) < MAX_SLICE_RUNS:
+            ends = np.concatenate([[0], cuts, [len(rows)]])
+            runs = sorted((int(rows[a]), int(a), int(b - a)) for a, b in zip(ends, ends[1:]))
+            # each run is distinct slots; runs sorted by first slot must not overlap
+            if any(s + n > t for (s, _, n), (t, _, _) in zip(runs, runs[1:])):
+                raise ValueError("slot_mapping: a slot is written twice in one forward")
+            return Slots(id(self), len(rows), tuple(runs), None)
+        ordered = np.sort(rows)
+        if np.any(ordered[1:] == ordered[:-1]):
             raise ValueError("slot_mapping: a slot is written twice in one forward")
-        return Slots(id(self), mx.array(rows), len(rows))
+        index = rows.astype(np.int32 if self.num_blocks * self.block_size < 2**31 else np.int64)
+        return Slots(id(self), len(rows), (), mx.array(index))
 
     def write(self, layer: int, keys: mx.array, values: mx.array, slots: Slots) -> None:
-        """Scatter new rows into their slots; lazily, so the write joins the layer's graph.
+        """Copy new rows into their slots; lazily, so the write joins the layer's graph.
 
         keys, values: [T, num_kv_heads, head_dim] (cast to the cache dtype).
         """
@@ -93,8 +110,14 @@ class PagedKVCache:
         want = (slots.count, self.num_kv_heads, self.head_dim)
         if keys.shape != want or values.shape != want:
             raise ValueError(f"keys, values: expected {want}, got {keys.shape} and {values.shape}")
-        self._k[layer][slots.device] = self._stored(keys)
-        self._v[layer][slots.device] = self._stored(values)
+        keys, values = self._stored(keys), self._stored(values)
+        if not slots.runs:
+            self._k[layer][slots.device] = keys
+            self._v[layer][slots.device] = values
+        for slot, row, n in slots.runs:
+            whole = n == slots.count  # no slice op on the rows
+            self._k[layer][slot:slot + n] = keys if whole else keys[row:row + n]
+            self._v[layer][slot:slot + n] = values if whole else values[row:row + n]
 
     def _stored(self, rows: mx.array) -> mx.array:
         if rows.dtype != self.dtype:

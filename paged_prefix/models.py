@@ -2,16 +2,21 @@
 
 The built-in models are small configs of the real Llama, Qwen2 and Qwen3 classes (tests and
 the offline demo need no download), plus GPU-sized shapes for the prefill benchmarks.
-`hf_config()` writes the matching Hugging Face style config.json that vLLM's ModelConfig reads.
+`hf_config()` writes the matching Hugging Face style config.json that vLLM's ModelConfig reads;
+`write_folder()` a whole servable mlx-lm folder: a built-in config's random weights plus a real
+tokenizer, for serving benchmarks of a GPU-sized model where no real one is on disk.
 """
 
 from __future__ import annotations
 
 import json
+import os
+import shutil
 from pathlib import Path
 
 import mlx.core as mx
 import mlx.nn as nn
+from mlx.utils import tree_flatten
 from mlx_lm.models import llama, qwen2, qwen3
 
 _COMMON = dict(
@@ -87,4 +92,36 @@ def hf_config(config: dict, folder: Path, dtype: str = "float32") -> Path:
     body = {**config, "architectures": [_ARCHITECTURES[config["model_type"]]],
             "torch_dtype": dtype, "bos_token_id": 1, "eos_token_id": 2}
     (folder / "config.json").write_text(json.dumps(body, indent=1))
+    return folder
+
+
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")
+
+
+def write_folder(name: str, folder: Path, tokenizer: Path, dtype: mx.Dtype = mx.bfloat16,
+                 seed: int = 0) -> Path:
+    """An mlx-lm folder of built-in config `name` with seeded random weights and the tokenizer
+    files of folder `tokenizer`, whose vocabulary sets vocab_size. Written atomically and
+    reused when it exists, so a crash never leaves half a model."""
+    if (folder / "config.json").exists():
+        return folder
+    from tokenizers import Tokenizer
+
+    missing = [f for f in TOKENIZER_FILES if not (tokenizer / f).is_file()]
+    if missing:
+        raise ValueError(f"tokenizer: {str(tokenizer)!r} lacks {', '.join(missing)}")
+    vocab = Tokenizer.from_file(str(tokenizer / "tokenizer.json")).get_vocab_size(True)
+    config = resolve_config(name, vocab_size=vocab)
+    model = build_model(config, dtype, seed)
+    tmp = folder.with_name(f"{folder.name}.tmp-{os.getpid()}")
+    shutil.rmtree(tmp, ignore_errors=True)
+    hf_config(config, tmp, str(dtype).rsplit(".", 1)[-1])
+    mx.save_safetensors(str(tmp / "model.safetensors"), dict(tree_flatten(model.parameters())),
+                        metadata={"format": "mlx"})
+    for f in TOKENIZER_FILES:
+        shutil.copy(tokenizer / f, tmp / f)
+    if folder.exists():  # another process finished first: keep its copy
+        shutil.rmtree(tmp)
+    else:
+        tmp.rename(folder)
     return folder

@@ -101,10 +101,11 @@ class VllmModelRunner:
         self.runner = PagedModelRunner(self.model, cache, self.dispatcher)
 
     def warm_up(self, num_tokens: int) -> None:
-        """A real forward (a `num_tokens` prefill and a decode row) and its sampling, greedy
-        and at random with penalties and logprobs, before the first request: one-time costs
-        (kernel builds, the sampler's compiled helpers) stay out of its latency. It writes
-        only into blocks that no request can own yet and leaves no request state."""
+        """Real forwards (a `num_tokens` prefill and a decode row, then the prefill again with
+        its first half cached) and their sampling, greedy and at random with penalties and
+        logprobs, before the first request: one-time costs (kernel builds, the sampler's
+        compiled helpers) stay out of its latency. It writes only into blocks that no request
+        can own yet and leaves no request state."""
         if self.runner is None:
             raise ValueError("initialize_kv_cache must run before warm_up")
         cache = self.runner.kv_cache
@@ -122,6 +123,13 @@ class VllmModelRunner:
         ], cache.block_size, cache.num_blocks, vocab_size=self.vocab_size)
         logits = self.runner.forward(meta)
         mx.eval(logits, cache.arrays())
+        hit = num_tokens // 2 // cache.block_size * cache.block_size
+        if hit:  # the cached-prefix path too: the prompt again, its first half read back
+            again = build_batch_metadata([ScheduledRequest(
+                "warmup-hit", tokens[:num_tokens], num_tokens, hit, num_tokens - hit,
+                blocks[:per_request])], cache.block_size, cache.num_blocks,
+                vocab_size=self.vocab_size)
+            mx.eval(self.runner.forward(again), cache.arrays())
         varied = SamplingParams(temperature=0.8, top_p=0.9, top_k=20, min_p=0.05, seed=0,
                                 repetition_penalty=1.1, logprobs=2)
         rows = [SamplingRow(SamplingParams(temperature=0.0), tokens[:num_tokens], [], None),

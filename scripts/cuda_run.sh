@@ -10,8 +10,10 @@ nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.max.sm --format=csv 
 python3 -c "import mlx.core as mx; print('mlx', mx.__version__, mx.default_device(), mx.cuda.is_available())" \
     | tee -a "$out/gpu.txt"
 python3 -m pytest -q -p no:cacheprovider -m "not emulated" tests/test_kernels.py \
-    tests/test_runner.py tests/test_dispatch.py tests/test_reference.py 2>&1 | tee "$out/pytest.txt"
+    tests/test_runner.py tests/test_dispatch.py tests/test_reference.py tests/test_kv_cache.py \
+    2>&1 | tee "$out/pytest.txt"
 python3 bench/canary_cost.py --out "$out/canary.json" 2>&1 | tee -a "$out/gpu.txt"
+python3 bench/sdpa_new_shapes.py --out "$out/new_shapes.json" 2>&1 | tee "$out/new_shapes.txt"
 python3 bench/attention_sweep.py --out "$out/sweep.json" 2>&1 | tee "$out/sweep.txt"
 python3 -m pytest -q -p no:cacheprovider bench/test_bench_prefill.py --benchmark-only \
     --benchmark-columns=min,median,mean,rounds --benchmark-sort=name \

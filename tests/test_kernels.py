@@ -268,6 +268,13 @@ def test_cuda_measured_rule(q_lens, ctx_lens, sdpa):
     lens = np.array(q_lens) + np.array(ctx_lens)
     g = Geometry(32, 8, 128, 16, mx.bfloat16, 128 ** -0.5)
     assert (rules.cuda_prefers_sdpa(cu, lens, g) is not None) == sdpa
+    rule = rules.CudaSdpaRule()  # the backend's: SDPA only for shapes asked for before
+    assert rule(cu, lens, g) is None
+    assert (rule(cu, lens, g) is not None) == sdpa
+    other = Geometry(32, 8, 64, 16, mx.bfloat16, 64 ** -0.5)
+    assert rule(cu, lens, other) is None  # another geometry is another cuDNN graph
+    if len(q_lens) > 1:  # one new shape in the batch sends the whole batch to the kernel
+        assert rule(cu, lens + np.eye(len(q_lens), dtype=int)[0] * 16, g) is None
 
 
 @pytest.mark.parametrize("q_lens,ctx_lens,sdpa", [

@@ -4,18 +4,39 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from paged_prefix.kv_cache import PagedKVCache
+from paged_prefix.kv_cache import MAX_SLICE_RUNS, PagedKVCache
 from tests.conftest import DTYPES
+
+
+def slot_layout(layout: str, block_size: int, rng) -> np.ndarray:
+    """Slots over 6 blocks: scattered, or contiguous runs (a run per block, blocks in order
+    given: 'runs-2-0-4' is blocks 2, 0, 4), the last run partly filled."""
+    if layout == "scattered":
+        return rng.choice(6 * block_size, size=9, replace=False)
+    blocks = [int(b) for b in layout.split("-")[1:]]
+    slots = np.concatenate([b * block_size + np.arange(block_size) for b in blocks])
+    return slots[:len(slots) - block_size // 2]
+
+
+# one run, runs out of order, the most runs still sliced, one more (scattered), adjacent blocks
+# that merge into one run
+LAYOUTS = ["scattered", "runs-3", "runs-2-0-4", "runs-5-1-3-0", "runs-5-1-3-0-2", "runs-1-2-3"]
 
 
 @pytest.mark.parametrize("dtype", DTYPES.values(), ids=DTYPES.keys())
 @pytest.mark.parametrize("block_size", [8, 16, 32])
-def test_write_lands_in_slots(dtype, block_size):
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_write_lands_in_slots(dtype, block_size, layout):
     cache = PagedKVCache(2, 6, block_size, 2, 64, dtype)
     rng = np.random.default_rng(block_size)
-    slots = rng.choice(6 * block_size, size=9, replace=False)
-    k = mx.array(rng.standard_normal((9, 2, 64), dtype=np.float32)).astype(dtype)
-    cache.write(1, k, -k, cache.slots(slots))
+    slots = slot_layout(layout, block_size, rng)
+    checked = cache.slots(slots)
+    sliced = layout.startswith("runs") and len(layout.split("-")) <= 1 + MAX_SLICE_RUNS
+    assert bool(checked.runs) == sliced  # the path under test is the one that ran
+    if layout == "runs-1-2-3":
+        assert len(checked.runs) == 1
+    k = mx.array(rng.standard_normal((len(slots), 2, 64), dtype=np.float32)).astype(dtype)
+    cache.write(1, k, -k, checked)
     kb, vb = cache.blocks(1)
     mx.eval(kb, vb)
     assert kb.shape == (6, block_size, 2, 64)
@@ -29,16 +50,21 @@ def test_write_lands_in_slots(dtype, block_size):
     assert not np.array(cache.blocks(0)[0].astype(mx.float32)).any()
 
 
-def test_write_is_in_place_not_a_cache_copy():
+@pytest.mark.parametrize("layout", ["scattered", "runs"])
+def test_write_is_in_place_not_a_cache_copy(layout):
     """Peak memory of one write step grows by about the new K/V, never by the cache."""
     cache = PagedKVCache(1, 4096, 16, 8, 64, mx.float16)  # 64 MiB per K and per V
     rng = np.random.default_rng(0)
     k = mx.array(rng.standard_normal((64, 8, 64), dtype=np.float32)).astype(mx.float16)
-    slots = cache.slots(rng.choice(4096 * 16, size=64, replace=False))
+    rows = (rng.choice(4096 * 16, size=64, replace=False) if layout == "scattered" else
+            np.concatenate([np.arange(100 * 16, 102 * 16), np.arange(7 * 16, 9 * 16)]))
+    slots = cache.slots(rows)
+    assert bool(slots.runs) == (layout == "runs")
     mx.eval(k)
     growth = []
     for _ in range(3):
         mx.eval(cache.arrays())
+        mx.synchronize()  # as the runner does before a forward's writes (see runner.py)
         base = mx.get_active_memory()
         mx.reset_peak_memory()
         cache.write(0, k, k, slots)
@@ -65,6 +91,8 @@ def test_restore_drops_pending_writes():
     ([-5], "slot_mapping"),          # negative: used to be taken as padding
     ([-1], "slot_mapping"),          # no padding convention any more
     ([3, 3], "twice"),
+    ([3, 4, 5, 4, 5], "twice"),       # two runs that overlap
+    ([9, 1, 2, 5, 7, 1], "twice"),    # too many runs to slice: the scatter's check
     ([1.5], "slot_mapping"),
 ])
 def test_bad_slots_are_refused(slots, match):

@@ -181,6 +181,55 @@ def test_chunked_prefill_equals_mlx_lm(model, path, chunk):
     assert tokens[100:] == want_tokens
 
 
+@pytest.mark.parametrize("path", ATTENTION_PATHS)
+def test_pipelined_forward_changes_no_bit(path):
+    """Sending each layer to the device as soon as it is built (the GPU default) runs the
+    same ops: logits and every cache row are bit-identical to one evaluation at the end."""
+    results = []
+    for pipeline in (False, True):
+        h = Harness("llama-test", path, mx.float16)
+        h.runner.pipeline = pipeline
+        shared = prompt_of(100, 48)
+        p_dec, p_hit = shared + prompt_of(1, 9), shared + prompt_of(2, 30)
+        b_dec = h.blocks(80)
+        b_hit = b_dec[:3] + h.blocks(80 - 48)
+        first = h.step(ScheduledRequest("dec", p_dec, 57, 0, 57, b_dec))["dec"]
+        out = h.step(ScheduledRequest("dec", p_dec + [int(mx.argmax(first))], 57, 57, 1, b_dec),
+                     ScheduledRequest("hit", p_hit, 78, 48, 30, b_hit))
+        results.append(([np.array(x.astype(mx.float32)) for x in (first, out["dec"], out["hit"])],
+                        cache_state(h.runner)))
+    for want, got in zip(*[logits + cache for logits, cache in results]):
+        np.testing.assert_array_equal(got, want)
+
+
+class Broken(nn.Module):
+    def __call__(self, *args, **kwargs):
+        raise RuntimeError("layer 1 broke")
+
+
+@pytest.mark.parametrize("pipeline", [False, True])
+def test_a_forward_failing_past_layer_0_writes_only_its_own_slots(pipeline):
+    """Built in one piece, the failed forward writes nothing; pipelined, layer 0 may have
+    written, but only into the slots of the forward's own new tokens."""
+    h = Harness("llama-test", "reference")
+    h.runner.pipeline = pipeline
+    prompt = prompt_of(0)
+    h.step(ScheduledRequest("a", prompt, PROMPT_LEN, 0, PROMPT_LEN, h.blocks(PROMPT_LEN)))
+    before = cache_state(h.runner)
+    h.runner.model.layers[1].self_attn = Broken()
+    meta = build_batch_metadata([ScheduledRequest("c", prompt, 70, 0, 70, h.blocks(70))], BS,
+                                NUM_BLOCKS)
+    with pytest.raises(RuntimeError, match="layer 1"):
+        h.runner.forward(meta)
+    mx.eval(h.runner.kv_cache.arrays())
+    own = np.zeros(len(before[0]), dtype=bool)
+    own[meta.slot_mapping_host] = True
+    after = cache_state(h.runner)
+    for a, b in zip(before, after):
+        np.testing.assert_array_equal(b[~own], a[~own])
+    assert (not pipeline) == all(np.array_equal(a, b) for a, b in zip(before, after))
+
+
 @pytest.mark.skipif(ON_GPU, reason="the exact comparison is the CPU paths' (GPU: tolerance)")
 def test_a_softmax_scale_error_is_caught():
     """The exact comparison can fail: a 1% wrong scale in one layer changes the logits."""

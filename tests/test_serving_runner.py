@@ -176,3 +176,15 @@ def test_request_state_is_copied_not_shared(running):
     running.execute_model(step({"d": 20}, [request]))
     running.execute_model(step({"d": 1}, cached_reqs=cached(["d"], [([6],)], [20])))
     assert (prompt, blocks) == snapshot
+
+
+def test_warm_up_runs_the_prefill_decode_and_cached_prefix_paths_and_keeps_no_state():
+    runner = make_runner()
+    runner.warm_up(40)
+    core = runner.runner
+    hit = 40 // 2 // core.kv_cache.block_size * core.kv_cache.block_size
+    assert hit > 0 and core.stats.forwards == 2
+    assert core.stats.tokens_computed == 40 + 1 + (40 - hit)
+    assert not runner.requests
+    out = runner.execute_model(step({"a": 20}, [new("a", list(range(3, 23)), ([1, 2],))]))
+    assert len(out.sampled_token_ids[0]) == 1

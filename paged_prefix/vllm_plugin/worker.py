@@ -31,6 +31,10 @@ from .memory import MiB, activation_peak, measure_budget, profile_tokens
 
 logger = logging.getLogger(__name__)
 
+# The warm-up prefill's length on the CPU. On a GPU it is the step's token budget instead: MLX
+# and the paged kernels compile variants on first use, and a long prefill takes some that a
+# short one does not (on the H200, after a 16-token warm-up, the first requests of a served
+# 1.1B model waited ~2.5 s; the larger warm-up is meant to take that, and was not re-measured).
 WARMUP_TOKENS = 16
 
 
@@ -131,7 +135,13 @@ class MLXWorker(WorkerBase):
 
     def compile_or_warm_up_model(self) -> CompilationTimes:
         start = time.perf_counter()
-        self.runner.warm_up(WARMUP_TOKENS)
+        num_tokens = WARMUP_TOKENS
+        if mx.default_device() == mx.gpu:
+            cache = self.runner.runner.kv_cache
+            fits = cache.num_blocks // 2 * cache.block_size - 1  # warm_up uses two requests
+            budget = self.vllm_config.scheduler_config.max_num_batched_tokens
+            num_tokens = max(WARMUP_TOKENS, min(budget, self.model_config.max_model_len - 1, fits))
+        self.runner.warm_up(num_tokens)
         elapsed = time.perf_counter() - start
         logger.info("paged_prefix worker: warm-up forward and sampling in %.1f s", elapsed)
         set_random_seed(self.model_config.seed)  # as vLLM's workers: warm-up draws nothing seen
