@@ -32,11 +32,11 @@ def main() -> None:
     rows = load(args.json)
     impls = [i for i in ("auto", "sdpa", "kernel") if any(i in r for r in rows.values())]
     print(f"{'model':<10}{'prompt':>7}{'hit':>7}{'mlx-lm ms':>11}"
-          + "".join(f"{i + ' ms':>11}{i + '/mlx':>10}" for i in impls))
+          + "".join(f"{i + ' ms':>11}{i + '/mlx':>11}" for i in impls))
     for (model, prompt_len, hit), r in sorted(rows.items()):
         line = f"{model:<10}{prompt_len:>7}{hit:>7}{r['mlx-lm']:>11.2f}"
         for i in impls:
-            line += (f"{r[i]:>11.2f}{r[i] / r['mlx-lm']:>10.3f}" if i in r else f"{'-':>21}")
+            line += (f"{r[i]:>11.2f}{r[i] / r['mlx-lm']:>11.3f}" if i in r else f"{'-':>22}")
         print(line)
     if args.out:
         import matplotlib
