@@ -3,11 +3,11 @@
     with VllmServer(model_dir, ["--max-model-len", "1024"], log_path) as server:
         requests.post(server.url + "/v1/completions", ...)
 
-Starts the real CLI (`vllm`'s own entry module, run by this interpreter, so it works
-where the console script is not on PATH) from the current environment (the project's platform
-plugin must be installed there), waits until `/v1/models` answers, and stops it with SIGINT (vLLM's own
-shutdown path), then SIGKILL if it lingers. VLLM_TARGET_DEVICE is removed from the child's
-environment: set to cpu it makes vLLM take its own CPU platform before any plugin.
+Starts the real CLI (`vllm`'s own entry module, run by this interpreter, so it works where
+the console script is not on PATH) from the current environment (the project's platform plugin
+must be installed there), waits until `/v1/models` answers, and stops it with SIGINT (vLLM's
+own shutdown path), then SIGKILL if it lingers. VLLM_TARGET_DEVICE is removed from the child's
+environment (`child_env`): set to cpu it makes vLLM take its own CPU platform before any plugin.
 """
 
 from __future__ import annotations
@@ -22,6 +22,11 @@ import urllib.request
 from pathlib import Path
 
 VLLM_CLI = (sys.executable, "-m", "vllm.entrypoints.cli.main")
+
+
+def child_env() -> dict[str, str]:
+    """This process's environment for a vLLM child process, less VLLM_TARGET_DEVICE."""
+    return {k: v for k, v in os.environ.items() if k != "VLLM_TARGET_DEVICE"}
 
 
 def free_port() -> int:
@@ -41,7 +46,6 @@ class VllmServer:
         self.process: subprocess.Popen | None = None
 
     def __enter__(self) -> VllmServer:
-        env = {k: v for k, v in os.environ.items() if k != "VLLM_TARGET_DEVICE"}
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         log = self.log_path.open("w")
         self.process = subprocess.Popen(
@@ -50,7 +54,7 @@ class VllmServer:
              # a grace period lets the engine process exit by itself on SIGINT; with vLLM's
              # default of 0 it is killed at once and the API server logs EngineDeadError
              "--shutdown-timeout", "10", *self.args],
-            stdout=log, stderr=subprocess.STDOUT, env=env)
+            stdout=log, stderr=subprocess.STDOUT, env=child_env())
         log.close()  # the child holds its own descriptor
         try:
             self._wait_ready()

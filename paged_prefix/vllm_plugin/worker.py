@@ -137,10 +137,9 @@ class MLXWorker(WorkerBase):
         start = time.perf_counter()
         num_tokens = WARMUP_TOKENS
         if mx.default_device() == mx.gpu:
-            cache = self.runner.runner.kv_cache
-            fits = cache.num_blocks // 2 * cache.block_size - 1  # warm_up uses two requests
             budget = self.vllm_config.scheduler_config.max_num_batched_tokens
-            num_tokens = max(WARMUP_TOKENS, min(budget, self.model_config.max_model_len - 1, fits))
+            num_tokens = max(WARMUP_TOKENS, min(budget, self.model_config.max_model_len - 1,
+                                                self.runner.warm_up_limit()))
         self.runner.warm_up(num_tokens)
         elapsed = time.perf_counter() - start
         logger.info("paged_prefix worker: warm-up forward and sampling in %.1f s", elapsed)
