@@ -129,12 +129,12 @@ def main() -> None:
         kc, vc = rand(num_blocks, BS, HKV, D), rand(num_blocks, BS, HKV, D)
         table = mx.array(np.random.default_rng(0).permutation(num_blocks)[None, : n // BS]
                          .astype(np.int32))
-        plan = plan_gather(np.array([n]), [0], BS, HKV, D)
         mx.eval(kc, vc, table)
         for unroll in (4, 8):
-            page_gather.UNROLL = unroll
+            page_gather.UNROLL = unroll  # read by the plan's launch and the kernel's name
+            plan = plan_gather(np.array([n]), [0], BS, HKV, D, DTYPE)
             gather = PageGather(backend.name, backend.gather._factory)
-            record(f"gather/C{n}/u{unroll}", lambda g=gather: g(kc, vc, table, plan),
+            record(f"gather/C{n}/u{unroll}", lambda g=gather, p=plan: g(kc, vc, table, p),
                    nbytes=2 * 2 * n * HKV * D * 2)
     Path(args.out).write_text(json.dumps(rows, indent=1))
 

@@ -92,7 +92,8 @@ template <> struct Mma<__half> {
 };
 """
 
-# Inputs:  q [T, H, D] T; k_cache, v_cache [num_blocks, BS, Hkv, D] T;
+# Inputs:  q [T, H, D] T; k_cache, v_cache [num_blocks, BS, Hkv, D] T, or the same bytes in any
+#          dtype (a PagedKVCache's 4-byte words, passed as stored);
 #          block_tables [S, max_blocks] int32; work [num_items, WORK_COLS] int32 (plan.py);
 #          qk_scale float32 [1] = scale * log2(e); counters int32 [num_tiles], all zero between
 #          launches (each tile's last split resets its own counter, so one array serves every
@@ -122,7 +123,9 @@ ATTENTION_SOURCE = r"""
   const int seq = item[W_SEQ], tok0 = item[W_TOK0], ntok = item[W_NTOK], pos0 = item[W_POS0];
   const int kvh = item[W_KV_HEAD], kv_start = item[W_KV_START], kv_end = item[W_KV_END];
   const int slot = item[W_SLOT];
-  const int H = q_shape[1], HKV = k_cache_shape[2], MAX_BLOCKS = block_tables_shape[1];
+  const int H = q_shape[1], HKV = H / GROUP, MAX_BLOCKS = block_tables_shape[1];
+  const T* kc = reinterpret_cast<const T*>(k_cache);  // caches may come as stored words
+  const T* vc = reinterpret_cast<const T*>(v_cache);
   const int rows = ntok * GROUP;
   const float scale_log2 = qk_scale[0];
 
@@ -150,8 +153,8 @@ ATTENTION_SOURCE = r"""
       const size_t off = static_cast<size_t>(table[kk / BS]) * page_stride +
                          static_cast<size_t>(kk % BS) * row_stride + head_off;
       const int s = buf * BUF + r * LD + ch * 8;
-      cp_async16(smem_addr(sK + s), k_cache + off, ok);
-      cp_async16(smem_addr(sV + s), v_cache + off, ok);
+      cp_async16(smem_addr(sK + s), kc + off, ok);
+      cp_async16(smem_addr(sV + s), vc + off, ok);
     }
   };
   const int num_tiles = (kv_end - kv_start + BLOCK_N - 1) / BLOCK_N;
@@ -330,6 +333,7 @@ class CudaAttentionPlan:
     tiles: tile_plan.TilePlan
     qk_scale: mx.array  # float32 [1]
     counters: mx.array  # int32 [num_tiles], zero between launches
+    launch: dict  # the kernel call's arguments other than its inputs
 
 
 class CudaPagedAttention(support.PagedAttentionKernel):
@@ -353,10 +357,20 @@ class CudaPagedAttention(support.PagedAttentionKernel):
         tiles = tile_plan.build_tile_plan(lengths.cu_seqlens_q, lengths.seq_lens, group,
                                           num_kv_heads, block_m, BLOCK_N, NUM_SMS,
                                           min_items=0 if block_m == 128 else None)
+        g = geometry
+        slots = max(tiles.num_slots, 1)  # outputs cannot be empty; unused when nothing is split
+        launch = dict(
+            template=[("T", g.dtype), ("HEAD_DIM", g.head_dim), ("GROUP", g.group),
+                      ("BLOCK_M", block_m), ("STAGES", STAGES), ("BS", g.block_size)],
+            grid=(tiles.num_items * 2 * block_m, 1, 1),
+            threadgroup=(2 * block_m, 1, 1),
+            output_shapes=[(lengths.num_tokens, g.num_heads, g.head_dim),
+                           (slots, block_m, g.head_dim), (slots, block_m)],
+            output_dtypes=[g.dtype, mx.float32, mx.float32])
         return CudaAttentionPlan(
-            geometry=geometry, lengths=lengths, block_m=block_m, tiles=tiles,
-            qk_scale=mx.array([geometry.scale * LOG2E], dtype=mx.float32),
-            counters=mx.zeros((max(tiles.num_tiles, 1),), dtype=mx.int32))
+            geometry=g, lengths=lengths, block_m=block_m, tiles=tiles,
+            qk_scale=mx.array([g.scale * LOG2E], dtype=mx.float32),
+            counters=mx.zeros((max(tiles.num_tiles, 1),), dtype=mx.int32), launch=launch)
 
     def _kernel(self, g: Geometry, block_m: int):
         key = (g.dtype, g.head_dim, g.group, g.block_size, block_m)
@@ -379,15 +393,7 @@ class CudaPagedAttention(support.PagedAttentionKernel):
                block_tables: mx.array, plan) -> mx.array:
         """The call without its entry check, for callers that validated the plan against these
         arrays already (a forward launches once per layer)."""
-        g = plan.geometry
-        tiles, block_m = plan.tiles, plan.block_m
-        slots = max(tiles.num_slots, 1)  # outputs cannot be empty; unused when nothing is split
-        return self._kernel(g, block_m)(
+        tiles = plan.tiles
+        return self._kernel(plan.geometry, plan.block_m)(
             inputs=[q, k_cache, v_cache, block_tables, tiles.work, plan.qk_scale, plan.counters],
-            template=[("T", g.dtype), ("HEAD_DIM", g.head_dim), ("GROUP", g.group),
-                      ("BLOCK_M", block_m), ("STAGES", STAGES), ("BS", g.block_size)],
-            grid=(tiles.num_items * 2 * block_m, 1, 1),
-            threadgroup=(2 * block_m, 1, 1),
-            output_shapes=[q.shape, (slots, block_m, g.head_dim), (slots, block_m)],
-            output_dtypes=[q.dtype, mx.float32, mx.float32],
-        )[0]
+            **plan.launch)[0]

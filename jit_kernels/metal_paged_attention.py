@@ -3,10 +3,11 @@
 Contract: `reference.contract`. The Metal twin of `cuda_paged_attention.py`: the same work list
 and split-KV plan (`plan.py`), the same per-item algorithm, Apple-native tiles. One launch serves
 prefill and decode rows of every sequence; K/V are read from the paged cache through the block
-table (no gather copy). Split tiles are combined by a second, merge launch: merging inside the
-attention launch (as the CUDA kernel does) needs a device-scope release/acquire between
-threadgroups, which MSL offers only from Metal 3.2 on, and nothing here could check it on Apple
-hardware.
+table (no gather copy); the caches may come typed or as a `PagedKVCache` stores them (the
+same bytes as 4-byte words), as for the CUDA kernel. Split tiles are combined by a second,
+merge launch: merging inside the attention launch (as the CUDA kernel does) needs a
+device-scope release/acquire between threadgroups, which MSL offers only from Metal 3.2 on, and
+nothing here could check it on Apple hardware.
 
 Nothing here has been run or timed on Apple hardware. The exact sources MLX would compile are
 executed on the CPU by the tests (`tests/metal_emu`), against a float64 oracle.
@@ -80,8 +81,10 @@ ATTENTION_SOURCE = r"""
   const int seq = item[W_SEQ], tok0 = item[W_TOK0], ntok = item[W_NTOK], pos0 = item[W_POS0];
   const int kvh = item[W_KV_HEAD], kv_start = item[W_KV_START], kv_end = item[W_KV_END];
   const int slot = item[W_SLOT];
-  const int num_kv_heads = k_cache_shape[2];
-  const int num_heads = num_kv_heads * GROUP;
+  const int num_heads = q_shape[1];
+  const int num_kv_heads = num_heads / GROUP;
+  auto kc = (const device T*)k_cache;  // caches may come as stored words
+  auto vc = (const device T*)v_cache;
   const int rows = ntok * GROUP;
   auto table = block_tables + long(seq) * block_tables_shape[1];
   const long row_stride = long(num_kv_heads) * D;
@@ -120,8 +123,8 @@ ATTENTION_SOURCE = r"""
       const long off = row_off[buf][j];
       vec<T, 4> kv = vec<T, 4>(T(0.0f)), vv = vec<T, 4>(T(0.0f));
       if (off >= 0) {  // zero past the keys: masked P * V must stay finite
-        kv = *(const device vec<T, 4>*)(k_cache + off + d);
-        vv = *(const device vec<T, 4>*)(v_cache + off + d);
+        kv = *(const device vec<T, 4>*)(kc + off + d);
+        vv = *(const device vec<T, 4>*)(vc + off + d);
       }
       PP_UNROLL for (int e = 0; e < 4; ++e) {
         k_s[j * LD + d + e] = kv[e];
@@ -249,6 +252,8 @@ class MetalAttentionPlan:
     lengths: support.Lengths
     tiles: tile_plan.TilePlan
     qk_scale: mx.array  # float32 [1]: scale * log2(e), folded into Q
+    launch: dict  # the attention call's arguments other than its inputs
+    merge_launch: dict | None  # the merge's, when the plan splits keys
 
 
 class MetalPagedAttention(support.PagedAttentionKernel):
@@ -269,9 +274,24 @@ class MetalPagedAttention(support.PagedAttentionKernel):
         tiles = tile_plan.build_tile_plan(lengths.cu_seqlens_q, lengths.seq_lens, geometry.group,
                                           geometry.num_kv_heads, BLOCK_Q,
                                           BLOCK_N[geometry.head_dim], GPU_CORES)
+        g = geometry
+        out_shape = (lengths.num_tokens, g.num_heads, g.head_dim)
+        slots = max(tiles.num_slots, 1)  # outputs cannot be empty; unused when nothing is split
+        launch = dict(
+            template=[("T", g.dtype), ("HEAD_DIM", g.head_dim), ("GROUP", g.group),
+                      ("BS", g.block_size), ("BN", BLOCK_N[g.head_dim])],
+            grid=(tiles.num_items * NUM_THREADS, 1, 1), threadgroup=(NUM_THREADS, 1, 1),
+            output_shapes=[out_shape, (slots, BLOCK_Q, g.head_dim), (slots, BLOCK_Q)],
+            output_dtypes=[g.dtype, mx.float32, mx.float32])
+        merge_launch = None if tiles.merge is None else dict(
+            template=[("T", g.dtype), ("HEAD_DIM", g.head_dim), ("GROUP", g.group),
+                      ("NUM_HEADS", g.num_heads)],
+            grid=(tiles.merge.shape[0] * NUM_THREADS, 1, 1), threadgroup=(NUM_THREADS, 1, 1),
+            output_shapes=[out_shape], output_dtypes=[g.dtype])
         return MetalAttentionPlan(
-            geometry=geometry, lengths=lengths, tiles=tiles,
-            qk_scale=mx.array([geometry.scale * LOG2E], dtype=mx.float32))
+            geometry=g, lengths=lengths, tiles=tiles,
+            qk_scale=mx.array([g.scale * LOG2E], dtype=mx.float32), launch=launch,
+            merge_launch=merge_launch)
 
     def _kernel(self, kind: str, g: Geometry):
         key = (kind, g.dtype, g.head_dim, g.group, g.block_size)
@@ -282,8 +302,8 @@ class MetalPagedAttention(support.PagedAttentionKernel):
                               ["out", "o_part", "lse_part"], ATTENTION_SOURCE),
                 "merge": (["o_part", "lse_part", "merge", "attn_out"], ["out"], MERGE_SOURCE),
             }[kind]
-            # ensure_row_contiguous (the default) copies a strided input: PagedKVCache.blocks()
-            # views are contiguous, so the caches are bound in place.
+            # ensure_row_contiguous (the default) copies a strided input: the runner's caches
+            # (PagedKVCache's arrays, as stored) are contiguous, bound in place.
             self._kernels[key] = self._factory(
                 name=f"metal_paged_{kind}_{_SOURCE_HASH}_{variant}", input_names=inputs,
                 output_names=outputs, source=source, header=HEADER)
@@ -293,26 +313,10 @@ class MetalPagedAttention(support.PagedAttentionKernel):
                block_tables: mx.array, plan) -> mx.array:
         """The call without its entry check, for callers that validated the plan against these
         arrays already (a forward launches once per layer)."""
-        g = plan.geometry
-        tiles = plan.tiles
-        slots = max(tiles.num_slots, 1)  # outputs cannot be empty; unused when nothing is split
+        g, tiles = plan.geometry, plan.tiles
         out, o_part, lse_part = self._kernel("attention", g)(
-            inputs=[q, k_cache, v_cache, block_tables, tiles.work, plan.qk_scale],
-            template=[("T", g.dtype), ("HEAD_DIM", g.head_dim), ("GROUP", g.group),
-                      ("BS", g.block_size), ("BN", BLOCK_N[g.head_dim])],
-            grid=(tiles.num_items * NUM_THREADS, 1, 1),
-            threadgroup=(NUM_THREADS, 1, 1),
-            output_shapes=[q.shape, (slots, BLOCK_Q, g.head_dim), (slots, BLOCK_Q)],
-            output_dtypes=[q.dtype, mx.float32, mx.float32],
-        )
+            inputs=[q, k_cache, v_cache, block_tables, tiles.work, plan.qk_scale], **plan.launch)
         if tiles.merge is None:
             return out
-        return self._kernel("merge", g)(
-            inputs=[o_part, lse_part, tiles.merge, out],
-            template=[("T", g.dtype), ("HEAD_DIM", g.head_dim), ("GROUP", g.group),
-                      ("NUM_HEADS", g.num_heads)],
-            grid=(tiles.merge.shape[0] * NUM_THREADS, 1, 1),
-            threadgroup=(NUM_THREADS, 1, 1),
-            output_shapes=[q.shape],
-            output_dtypes=[q.dtype],
-        )[0]
+        return self._kernel("merge", g)(inputs=[o_part, lse_part, tiles.merge, out],
+                                        **plan.merge_launch)[0]

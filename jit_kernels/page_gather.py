@@ -3,6 +3,10 @@
     [(k, v), ...] = gather(k_cache, v_cache, block_tables, plan)   # plan: plan_gather(...) once
     k, v: [1, Hkv, L_i, D] contiguous, for sequence plan.seqs[i]
 
+The caches may come in any dtype that holds the pages' bytes (the 4-byte words a
+`PagedKVCache` stores, or [num_blocks, BS, Hkv, D] of the plan's dtype): the kernel copies
+bytes, so a forward hands over its cache arrays as stored, with no view op per layer.
+
 The output layout is what `mx.fast.scaled_dot_product_attention` takes ([Hkv, L, D] per
 sequence, as mlx-lm's own KV cache holds it), so attention after the gather runs exactly as on
 a contiguous cache. MLX's `cache[block_table]` gather moves 0.2-0.4 TB/s on an H200; this is a
@@ -27,22 +31,25 @@ PAGE_COLS = ("SEQ", "PAGE", "SEQ_LEN", "OUT_ROW")  # OUT_ROW: first [D] row of t
 
 _COPY = r"""
   // One 16-byte chunk is 16 / sizeof(T) elements; a page is BS rows of [Hkv, D], contiguous.
+  // The caches are read as 16-byte chunks whatever their declared dtype.
   constexpr int VEC = 16 / sizeof(T);
   auto row = pages + PAGE_INDEX * PAGE_NCOLS;  // MLX passes a one-page list as `constant`
   const int seq = row[P_SEQ], page = row[P_PAGE], seq_len = row[P_SEQ_LEN];
   constexpr int hkv = HKV, d = D;  // compile-time: the index arithmetic below is shifts
   const long block = block_tables[long(seq) * block_tables_shape[1] + page];
   const int rows = min(BS, seq_len - page * BS);
-  const long page_elems = long(BS) * hkv * d;
+  constexpr long page_chunks = long(BS) * hkv * d / VEC;
   const int chunks = rows * hkv * d / VEC;             // the page's valid rows come first
   const long out_base = long(row[P_OUT_ROW]) * d;
+  auto k_page = (const DEVICE VEC_T*)k_cache + block * page_chunks;
+  auto v_page = (const DEVICE VEC_T*)v_cache + block * page_chunks;
   for (int c0 = THREAD_INDEX; c0 < chunks; c0 += NTHREADS * UNROLL) {
     VEC_T kv[UNROLL], vv[UNROLL];
     for (int u = 0; u < UNROLL; ++u) {
       const int c = c0 + u * NTHREADS;
       if (c < chunks) {
-        kv[u] = ((const DEVICE VEC_T*)(k_cache + block * page_elems))[c];
-        vv[u] = ((const DEVICE VEC_T*)(v_cache + block * page_elems))[c];
+        kv[u] = k_page[c];
+        vv[u] = v_page[c];
       }
     }
     for (int u = 0; u < UNROLL; ++u) {
@@ -55,7 +62,8 @@ _COPY = r"""
     }
   }
 """
-# Inputs:  k_cache, v_cache [num_blocks, BS, Hkv, D] T; block_tables [S, max_blocks] int32;
+# Inputs:  k_cache, v_cache: num_blocks pages of BS x Hkv x D T each, row-major, in any dtype
+#          (read as 16-byte chunks); block_tables [S, max_blocks] int32;
 #          pages [num_pages, 4] int32 (PAGE_COLS), one row per page to copy.
 # Outputs: k_out, v_out [sum of Hkv * L * D over gathered sequences] T.
 # Grid: one threadblock (threadgroup) of THREADS threads per page. Template: T, BS, HKV, D,
@@ -77,17 +85,22 @@ METAL_HEADER = HEADER.replace("constexpr", "constant constexpr")
 
 @dataclass(frozen=True)
 class GatherPlan:
-    """Which sequences to gather and where each lands; built once per forward."""
+    """Which sequences to gather, where each lands, and the launch; built once per forward."""
 
     seqs: tuple[int, ...]  # batch indices of the gathered sequences
     seq_lens: tuple[int, ...]
     offsets: tuple[int, ...]  # element offsets into k_out / v_out, len(seqs) + 1
     pages: mx.array  # int32 [num_pages, 4]
     num_pages: int
+    dtype: mx.Dtype
+    block_size: int
+    num_kv_heads: int
+    head_dim: int
+    launch: dict  # the kernel call's arguments other than its inputs
 
 
 def plan_gather(seq_lens: np.ndarray, seqs: list[int], block_size: int, num_kv_heads: int,
-                head_dim: int) -> GatherPlan:
+                head_dim: int, dtype: mx.Dtype) -> GatherPlan:
     lens = np.asarray(seq_lens, dtype=np.int64)[np.asarray(seqs, dtype=np.int64)]
     rows = np.concatenate([[0], np.cumsum(num_kv_heads * lens)])
     if rows[-1] >= 2**31:
@@ -98,9 +111,19 @@ def plan_gather(seq_lens: np.ndarray, seqs: list[int], block_size: int, num_kv_h
                       np.arange(int(pages_per_seq.sum())) - first,
                       np.repeat(lens, pages_per_seq),
                       np.repeat(rows[:-1], pages_per_seq)], axis=1)
+    total = int(rows[-1]) * head_dim
+    # one sequence gets its [1, Hkv, L, D] shape straight from the kernel: no reshape op
+    out_shape = (1, num_kv_heads, int(lens[0]), head_dim) if len(seqs) == 1 else (total,)
+    launch = dict(
+        template=[("T", dtype), ("BS", block_size), ("HKV", num_kv_heads), ("D", head_dim),
+                  ("UNROLL", UNROLL)],
+        grid=(len(table) * THREADS, 1, 1), threadgroup=(THREADS, 1, 1),
+        output_shapes=[out_shape, out_shape], output_dtypes=[dtype, dtype])
     return GatherPlan(seqs=tuple(int(s) for s in seqs), seq_lens=tuple(int(n) for n in lens),
                       offsets=tuple(int(r) * head_dim for r in rows),
-                      pages=mx.array(table.astype(np.int32)), num_pages=len(table))
+                      pages=mx.array(table.astype(np.int32)), num_pages=len(table), dtype=dtype,
+                      block_size=block_size, num_kv_heads=num_kv_heads, head_dim=head_dim,
+                      launch=launch)
 
 
 class PageGather:
@@ -116,36 +139,35 @@ class PageGather:
             return f"rows of {head_dim} x {dtype} are not a multiple of 16 bytes"
         return None
 
-    def _kernel(self, dtype: mx.Dtype, block_size: int, num_kv_heads: int, head_dim: int):
-        key = (dtype, block_size, num_kv_heads, head_dim)
+    def _kernel(self, plan: GatherPlan):
+        key = (plan.dtype, plan.block_size, plan.num_kv_heads, plan.head_dim)
         if key not in self._kernels:
             metal = self.backend == "metal"
             source, header = (METAL_SOURCE, METAL_HEADER) if metal else (CUDA_SOURCE, HEADER)
             self._kernels[key] = self._factory(
                 name=f"page_gather_{support.source_hash(header, source)}_"
-                     f"{support.dtype_name(dtype)}_b{block_size}_h{num_kv_heads}_d{head_dim}"
-                     f"_u{UNROLL}",
+                     f"{support.dtype_name(plan.dtype)}_b{plan.block_size}_h{plan.num_kv_heads}"
+                     f"_d{plan.head_dim}_u{UNROLL}",
                 input_names=["k_cache", "v_cache", "block_tables", "pages"],
                 output_names=["k_out", "v_out"], source=source, header=header)
         return self._kernels[key]
 
     def __call__(self, k_cache: mx.array, v_cache: mx.array, block_tables: mx.array,
                  plan: GatherPlan) -> list[tuple[mx.array, mx.array]]:
-        """[(k, v)] per gathered sequence, each [1, Hkv, L, D] contiguous; no host sync."""
-        _, block_size, num_kv_heads, head_dim = k_cache.shape
-        why_not = self.unsupported_reason(k_cache.dtype, head_dim)
+        """[(k, v)] per gathered sequence, each [1, Hkv, L, D] contiguous; no host sync.
+
+        k_cache, v_cache: whole pages of the plan's geometry, in any dtype (see the module)."""
+        why_not = self.unsupported_reason(plan.dtype, plan.head_dim)
         if why_not:
             raise ValueError(f"page gather: {why_not}")
-        total = plan.offsets[-1]
-        k_out, v_out = self._kernel(k_cache.dtype, block_size, num_kv_heads, head_dim)(
-            inputs=[k_cache, v_cache, block_tables, plan.pages],
-            template=[("T", k_cache.dtype), ("BS", block_size), ("HKV", num_kv_heads),
-                      ("D", head_dim), ("UNROLL", UNROLL)],
-            grid=(plan.num_pages * THREADS, 1, 1), threadgroup=(THREADS, 1, 1),
-            output_shapes=[(total,), (total,)], output_dtypes=[k_cache.dtype] * 2)
-        if len(plan.seqs) == 1:  # the whole output: no slice ops
-            shape = (1, num_kv_heads, plan.seq_lens[0], head_dim)
-            return [(k_out.reshape(shape), v_out.reshape(shape))]
-        return [(k_out[a:b].reshape(1, num_kv_heads, n, head_dim),
-                 v_out[a:b].reshape(1, num_kv_heads, n, head_dim))
-                for a, b, n in zip(plan.offsets, plan.offsets[1:], plan.seq_lens)]
+        page_bytes = plan.block_size * plan.num_kv_heads * plan.head_dim * plan.dtype.size
+        if k_cache.nbytes != v_cache.nbytes or not k_cache.nbytes or k_cache.nbytes % page_bytes:
+            raise ValueError(f"k_cache, v_cache: expected the same whole pages of {page_bytes} "
+                             f"bytes, got {k_cache.nbytes} and {v_cache.nbytes} bytes")
+        k_out, v_out = self._kernel(plan)(inputs=[k_cache, v_cache, block_tables, plan.pages],
+                                          **plan.launch)
+        if len(plan.seqs) == 1:
+            return [(k_out, v_out)]
+        shape = (1, plan.num_kv_heads, -1, plan.head_dim)
+        return [(k_out[a:b].reshape(shape), v_out[a:b].reshape(shape))
+                for a, b in zip(plan.offsets, plan.offsets[1:])]

@@ -14,17 +14,17 @@ from .support import Geometry
 # sweep in docs/h200/sweep.json). us per call, SDPA (on gathered K/V, or on the new rows when
 # nothing is cached) vs the paged mma.sync kernel:
 #              Lq=16          64             512            4096
-#   C=0        32 / 21        32 / 21        35 / 35        261 / 686
-#   C=1024     71 / 34        69 / 34        58 / 76        404 / 979
-#   C=4096     55 / 48        72 / 49        100 / 192      742 / 1882
-#   C=16384    121 / 63       127 / 115      289 / 669      2108 / 5718
+#   C=0        30 / 21        31 / 20        32 / 34        272 / 666
+#   C=1024     42 / 26        40 / 37        53 / 75        379 / 963
+#   C=4096     72 / 56        52 / 56        100 / 180      708 / 1850
+#   C=16384    139 / 62       127 / 114      281 / 645      2032 / 5554
 # cuDNN's SDPA (wgmma) runs ~2.5x this kernel's TFLOP/s, so from Lq = 512 on it wins whatever
 # the prefix (the gather costs less than the FLOPs it saves); at Lq <= 64 the kernel's single
-# launch and split KV win. End to end (bench/test_bench_prefill.py, docs/h200/prefill.json) a
-# 416-token suffix over 3680 cached tokens also ran faster on SDPA (8B shape: 17.0 vs 20.2 ms);
-# 256 sits between the measured crossover points. SDPA runs sequence by sequence, so a batch
-# goes to it only when every sequence is such a prefill: decode rows and short suffixes would
-# cost it a launch each (32 decode rows with no context: SDPA 734 us, kernel 22 us).
+# launch and split KV win or tie. End to end (bench/test_bench_prefill.py, docs/h200/prefill.json)
+# a 416-token suffix over 3680 cached tokens also ran no slower on SDPA (8B shape: 17.4 vs
+# 20.7 ms); 256 sits between the measured crossover points. SDPA runs sequence by sequence, so a
+# batch goes to it only when every sequence is such a prefill: decode rows and short suffixes
+# would cost it a launch each (32 decode rows with no context: SDPA 672 us, kernel 23 us).
 CUDA_SDPA_MIN_Q = 256
 # Unmeasured on Apple hardware: only fresh long prompts (mlx-lm's own path) leave the kernel.
 METAL_SDPA_MIN_Q = 512

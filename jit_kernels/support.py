@@ -78,6 +78,17 @@ class Lengths:
         return cls(cu, lens, int(cu[-1]), int(lens.max()))
 
 
+def as_pages(cache: mx.array, geometry: Geometry) -> mx.array:
+    """A cache array as [num_blocks, BS, Hkv, D] of the geometry's dtype, as a view of its
+    bytes: a `PagedKVCache` stores its rows as 4-byte words, [num_blocks * BS, Hkv, words]."""
+    g = geometry
+    if cache.dtype != g.dtype:
+        cache = cache.view(g.dtype)
+    if cache.ndim == 4 and cache.shape[1:] == (g.block_size, g.num_kv_heads, g.head_dim):
+        return cache
+    return cache.reshape(-1, g.block_size, g.num_kv_heads, g.head_dim)
+
+
 def check_call(backend: str, geometry: Geometry, q: mx.array, k_cache: mx.array,
                v_cache: mx.array, block_tables: mx.array, lengths: Lengths) -> None:
     """A kernel's per-call entry check (shapes only): the contract, then the plan's geometry."""

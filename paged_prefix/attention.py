@@ -68,10 +68,9 @@ class PagedAttention(nn.Module):
         q = self.rope(q, offset=positions).reshape(num_tokens, self.n_heads, -1)
         k = self.rope(k, offset=positions).reshape(num_tokens, self.n_kv_heads, -1)
         cache.kv_cache.write(self.layer, k, v, cache.slots)
-        k_cache, v_cache = cache.kv_cache.blocks(self.layer)
-        if q.dtype != k_cache.dtype:
-            q = q.astype(k_cache.dtype)
-        out = cache.attention(q, k, v, k_cache, v_cache)
+        if q.dtype != cache.kv_cache.dtype:
+            q = q.astype(cache.kv_cache.dtype)
+        out = cache.attention(q, k, v, *cache.kv_cache.stored(self.layer))
         if out.dtype != x.dtype:
             out = out.astype(x.dtype)
         return self.o_proj(out.reshape(1, num_tokens, -1))

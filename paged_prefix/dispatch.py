@@ -32,7 +32,7 @@ import mlx.core as mx
 import reference
 from jit_kernels import KernelBackend, available_backends
 from jit_kernels.contiguous_sdpa import attend, plan_sdpa, sdpa_attention
-from jit_kernels.support import Geometry
+from jit_kernels.support import Geometry, as_pages
 
 from . import canary
 from .metadata import AttentionMetadata
@@ -69,7 +69,8 @@ class ForwardAttention:
 
     def __call__(self, q: mx.array, k: mx.array, v: mx.array, k_cache: mx.array,
                  v_cache: mx.array) -> mx.array:
-        """q [T, H, D] and the new rows k, v [T, Hkv, D] (already in the caches)."""
+        """q [T, H, D] and the new rows k, v [T, Hkv, D] (already in the caches); the layer's
+        caches as `PagedKVCache` stores them, or as [num_blocks, BS, Hkv, D] of its dtype."""
         self.counts[self.choice.path] += 1
         out = self._run(q, k, v, k_cache, v_cache)
         self._run = self._unchecked
@@ -162,7 +163,8 @@ class Dispatcher:
         cu, lens, tables = meta.cu_seqlens_q_host, meta.seq_lens_host, meta.block_tables
         if choice.path == "reference":
             def ref(q, k, v, kc, vc):
-                return reference.paged_attention(q, kc, vc, tables, cu, lens, g.scale)
+                return reference.paged_attention(q, as_pages(kc, g), as_pages(vc, g), tables, cu,
+                                                 lens, g.scale)
             return ref, ref
         if choice.path == "sdpa":
             plan = plan_sdpa(cu, lens, g)
@@ -171,5 +173,6 @@ class Dispatcher:
                     lambda q, k, v, kc, vc: attend(q, k, v, kc, vc, tables, plan, gather))
         kernel = self.backends[choice.backend].attention
         plan = kernel.plan(cu, lens, g)
-        return (lambda q, k, v, kc, vc: kernel(q, kc, vc, tables, plan),
+        # the checked call sees the caches as pages; the launches after it take them as stored
+        return (lambda q, k, v, kc, vc: kernel(q, as_pages(kc, g), as_pages(vc, g), tables, plan),
                 lambda q, k, v, kc, vc: kernel.launch(q, kc, vc, tables, plan))

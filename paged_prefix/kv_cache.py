@@ -4,7 +4,9 @@ Layout per layer (vllm-metal's): `[num_blocks, block_size, num_kv_heads, head_di
 arrays are stored flat as `[num_blocks * block_size, num_kv_heads, head_dim]` because MLX
 updates a scatter target in place only when the target is the sole owner of its buffer: a flat
 array that this object alone holds is donated to the scatter, while scattering through a
-reshaped view copies the whole cache first. `blocks()` hands out the 4D view (a free reshape).
+reshaped view copies the whole cache first. `stored()` hands out the arrays as they are (what a
+forward passes to attention: the gather kernel reads them as bytes, with no view op per layer),
+`blocks()` the 4D view of the cache dtype.
 
 Rows are stored as 4-byte words (a bf16 row of 128 values is 64 uint32): MLX's scatter moves
 one element per thread, so wider elements write the same bytes with fewer threads, and its GPU
@@ -141,6 +143,11 @@ class PagedKVCache:
         if len(snapshot) != 2 * self.num_layers:
             raise ValueError(f"snapshot: expected {2 * self.num_layers} arrays, got {len(snapshot)}")
         self._k, self._v = list(snapshot[:self.num_layers]), list(snapshot[self.num_layers:])
+
+    def stored(self, layer: int) -> tuple[mx.array, mx.array]:
+        """The layer's K and V arrays as stored: [num_blocks * block_size, num_kv_heads, W]
+        of 4-byte words (W = head_dim * dtype size / 4) or, for odd head dims, of the dtype."""
+        return self._k[layer], self._v[layer]
 
     def blocks(self, layer: int) -> tuple[mx.array, mx.array]:
         """The layer's K and V as `[num_blocks, block_size, num_kv_heads, head_dim]` views."""

@@ -9,9 +9,10 @@ evaluated have written their rows, into this forward's own slots and no others.
 
 Pipelining (by default on a GPU, for forwards of at least PIPELINE_MIN_TOKENS new tokens): the
 graph is sent to the device (`mx.async_eval`) after layers 0, 1, 3, 7, ..., so the host builds
-later layers while the device runs earlier ones. Built in one piece, a forward's graph costs the
-host 1.5-3.7 ms on a 1B model (against 0.6-1.0 ms for mlx-lm's), all of it ahead of the first
-kernel, because a step's host sync leaves nothing to hide it behind.
+later layers while the device runs earlier ones. Built in one piece, a 416- or 512-token
+suffix's graph costs the host 1.3-1.9 ms on a 1B model (against 0.5 ms for mlx-lm's; H200,
+docs/h200/forward_split.json), all of it ahead of the first kernel, because a step's host sync
+leaves nothing to hide it behind.
 """
 
 from __future__ import annotations
@@ -63,6 +64,15 @@ def _sends_after(layer: int) -> bool:
     return (layer + 1) & layer == 0
 
 
+def _release_last_step() -> None:
+    """Wait until MLX has let go of the previous step's buffers; call before the first
+    evaluation of a forward's writes. MLX releases an evaluated step's buffers only once the
+    device reports it done, and a write into a cache array still held that way copies the whole
+    array instead of updating it in place (seen on CUDA right after the previous step's eval).
+    Called once the graph is built, so the wait overlaps the host's work on it."""
+    mx.synchronize()
+
+
 def _lm_head(model: nn.Module, hidden: mx.array) -> mx.array:
     if model.args.tie_word_embeddings:
         return model.model.embed_tokens.as_linear(hidden)
@@ -110,10 +120,6 @@ class PagedModelRunner:
         slots = self.kv_cache.slots(meta.slot_mapping_host)
         attention = self.dispatcher.plan(meta.attn, self.geometry)
         ctx = ForwardContext(meta, self.kv_cache, slots, attention)
-        # MLX lets go of an evaluated step's buffers only once the device reports it done; a
-        # write into a cache array still held that way copies the whole array instead of
-        # updating it in place (seen on CUDA right after the previous step's eval).
-        mx.synchronize()
         # mlx-lm's model loop, with no mask (causality comes from the metadata)
         inner = self.model.model
         pipeline = self.pipeline
@@ -127,6 +133,8 @@ class PagedModelRunner:
                 if pipeline and _sends_after(i):
                     # while the snapshot shares the arrays, an evaluated write would copy them
                     snapshot = None
+                    if i == 0:
+                        _release_last_step()
                     # the writes too: a layer whose attention does not read the cache back
                     # would otherwise keep its new K/V alive until the step's end
                     mx.async_eval(hidden, self.kv_cache.arrays())
@@ -135,13 +143,15 @@ class PagedModelRunner:
                 self.kv_cache.restore(snapshot)
             raise
         del snapshot
-        hidden = inner.norm(hidden)
+        if not pipeline:
+            _release_last_step()
         self.stats.forwards += 1
         self.stats.tokens_computed += meta.num_tokens
         if not meta.sample_req_ids:  # a mid-prompt chunk: only its K/V writes matter
             return mx.zeros((0, self.vocab_size), dtype=mx.float32)
-        # Only rows that sample pay for the vocabulary projection.
-        return _lm_head(self.model, hidden[0][meta.logits_indices]).astype(mx.float32)
+        # Only rows that sample pay for the final norm (row-wise) and the vocabulary projection.
+        sampled = mx.take(hidden, meta.logits_indices, axis=1)[0]
+        return _lm_head(self.model, inner.norm(sampled)).astype(mx.float32)
 
     def greedy(self, meta: BatchMetadata) -> list[int]:
         """Greedy next token per sampling row; the one host sync of a step."""

@@ -77,6 +77,29 @@ def check(backend_name, q_lens, ctx_lens, num_heads=16, num_kv_heads=4, head_dim
     return plan
 
 
+def as_stored(cache: mx.array) -> mx.array:
+    """A [num_blocks, BS, Hkv, D] cache as PagedKVCache stores it: flat rows of 4-byte words."""
+    words = cache.view(mx.uint32)
+    return words.reshape(-1, *words.shape[2:])
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("dtype", [mx.float16, mx.bfloat16], ids=["fp16", "bf16"])
+def test_kernel_reads_the_caches_as_stored(backend, dtype):
+    """The runner launches the kernel on PagedKVCache's own arrays (4-byte words, flat rows):
+    the same bytes give the same output, bit for bit, split KV included."""
+    c = PagedCase([5, 1, 37], [13, 998, 0], 8, 2, 64, 16, dtype, seed=7)
+    g = Geometry(8, 2, 64, 16, dtype, 0.125)
+    attention = get_backend(backend).attention
+    plan = attention.plan(c.cu_seqlens_q, c.seq_lens, g)
+    typed = attention(c.q, c.k_cache, c.v_cache, c.block_tables, plan)
+    stored = attention.launch(c.q, as_stored(c.k_cache), as_stored(c.v_cache), c.block_tables,
+                              plan)
+    np.testing.assert_array_equal(np.array(stored.view(mx.uint16)),
+                                  np.array(typed.view(mx.uint16)))
+    assert_close(typed, c.oracle(0.125), dtype)
+
+
 @pytest.mark.parametrize("backend", GPU_BACKENDS)
 @pytest.mark.parametrize("q_len,ctx", [(5, 13), (129, 334), (1, 998), (64, 0), (16, 4080),
                                        (512, 3584), (17, 15), (37, 16), (127, 17)])
@@ -144,16 +167,23 @@ def test_page_gather_is_an_exact_copy(backend, dtype, block_size):
     g = Geometry(8, 2, 64, block_size, dtype, 0.125)
     plan = plan_sdpa(c.cu_seqlens_q, c.seq_lens, g)
     assert plan.gather.seqs == (0, 1, 3)  # the sequence with no cached prefix is not copied
-    gathered = get_backend(backend).gather(c.k_cache, c.v_cache, c.block_tables, plan.gather)
-    for s, (k, v) in zip(plan.gather.seqs, gathered):
-        assert k.shape == v.shape == (1, 2, int(c.seq_lens[s]), 64)
-        np.testing.assert_array_equal(np.array(k[0].view(mx.uint8)),
-                                      np.array(c.k_seqs[s].transpose(1, 0, 2).view(mx.uint8)))
-        np.testing.assert_array_equal(np.array(v[0].view(mx.uint8)),
-                                      np.array(c.v_seqs[s].transpose(1, 0, 2).view(mx.uint8)))
-    out = sdpa_attention(c.q, c.k_new, c.v_new, c.k_cache, c.v_cache, c.block_tables, plan,
-                         get_backend(backend).gather)
-    assert_close(out, c.oracle(0.125), dtype)
+    gather = get_backend(backend).gather
+    stored = [as_stored(x) for x in (c.k_cache, c.v_cache)]
+    for k_cache, v_cache in ((c.k_cache, c.v_cache), stored):
+        gathered = gather(k_cache, v_cache, c.block_tables, plan.gather)
+        for s, (k, v) in zip(plan.gather.seqs, gathered):
+            assert k.shape == v.shape == (1, 2, int(c.seq_lens[s]), 64)
+            assert k.dtype == v.dtype == dtype
+            np.testing.assert_array_equal(np.array(k[0].view(mx.uint8)),
+                                          np.array(c.k_seqs[s].transpose(1, 0, 2).view(mx.uint8)))
+            np.testing.assert_array_equal(np.array(v[0].view(mx.uint8)),
+                                          np.array(c.v_seqs[s].transpose(1, 0, 2).view(mx.uint8)))
+    with pytest.raises(ValueError, match="whole pages"):
+        gather(c.k_cache[:, :1], c.v_cache[:, :1], c.block_tables, plan.gather)
+    for k_cache, v_cache in ((c.k_cache, c.v_cache), stored):
+        out = sdpa_attention(c.q, c.k_new, c.v_new, k_cache, v_cache, c.block_tables, plan,
+                             gather)
+        assert_close(out, c.oracle(0.125), dtype)
 
 
 @pytest.mark.parametrize("backend", BACKENDS)

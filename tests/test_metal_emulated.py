@@ -40,7 +40,8 @@ def run_attention(case: PagedCase, g: Geometry, kernel_factory=metal_kernel):
 def run_gather(case: PagedCase, g: Geometry, kernel_factory=metal_kernel):
     """The Metal backend's page gather of every sequence: [(k, v)], each [Hkv, L, D]."""
     seqs = list(range(len(case.seq_lens)))
-    plan = plan_gather(case.seq_lens, seqs, g.block_size, g.num_kv_heads, g.head_dim)
+    plan = plan_gather(case.seq_lens, seqs, g.block_size, g.num_kv_heads, g.head_dim,
+                       g.dtype)
     gathered = metal_backend(kernel_factory).gather(case.k_cache, case.v_cache, case.block_tables,
                                                     plan)
     return [tuple(x.reshape(-1, *x.shape[-2:]) for x in pair) for pair in gathered]
