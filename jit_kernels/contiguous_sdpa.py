@@ -53,6 +53,8 @@ def sdpa_attention(
     want = (q.shape[0], pages.shape[2], pages.shape[3])
     if k.shape != want or v.shape != want:
         raise ValueError(f"k, v: new rows must be {want}, got {k.shape} and {v.shape}")
+    if gather is not None and plan.gather.seqs:
+        gather.check(k_cache, v_cache, plan.gather)
     return attend(q, k, v, k_cache, v_cache, block_tables, plan, gather)
 
 
@@ -70,7 +72,7 @@ def attend(
         gathered = [reference.gather_kv(k_pages, v_pages, block_tables[s], n)
                     for s, n in zip(g.seqs, g.seq_lens)]
     else:
-        gathered = gather(k_cache, v_cache, block_tables, g)
+        gathered = gather.launch(k_cache, v_cache, block_tables, g)
     whole = len(plan.rows) == 1  # one sequence: no slicing (each slice is an op per layer)
     outs = []
     for start, end, i in plan.rows:

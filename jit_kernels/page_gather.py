@@ -156,6 +156,10 @@ class PageGather:
         """[(k, v)] per gathered sequence, each [1, Hkv, L, D] contiguous; no host sync.
 
         k_cache, v_cache: whole pages of the plan's geometry, in any dtype (see the module)."""
+        self.check(k_cache, v_cache, plan)
+        return self.launch(k_cache, v_cache, block_tables, plan)
+
+    def check(self, k_cache: mx.array, v_cache: mx.array, plan: GatherPlan) -> None:
         why_not = self.unsupported_reason(plan.dtype, plan.head_dim)
         if why_not:
             raise ValueError(f"page gather: {why_not}")
@@ -163,6 +167,11 @@ class PageGather:
         if k_cache.nbytes != v_cache.nbytes or not k_cache.nbytes or k_cache.nbytes % page_bytes:
             raise ValueError(f"k_cache, v_cache: expected the same whole pages of {page_bytes} "
                              f"bytes, got {k_cache.nbytes} and {v_cache.nbytes} bytes")
+
+    def launch(self, k_cache: mx.array, v_cache: mx.array, block_tables: mx.array,
+               plan: GatherPlan) -> list[tuple[mx.array, mx.array]]:
+        """`__call__` without its checks, for caches checked against the plan already (the
+        layers of a forward after the first: every host microsecond per layer counts)."""
         k_out, v_out = self._kernel(plan)(inputs=[k_cache, v_cache, block_tables, plan.pages],
                                           **plan.launch)
         if len(plan.seqs) == 1:

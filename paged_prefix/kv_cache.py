@@ -83,10 +83,18 @@ class PagedKVCache:
     def nbytes(self) -> int:
         return sum(a.nbytes for a in self._k + self._v)
 
-    def slots(self, slot_mapping: np.ndarray) -> Slots:
-        """Validate host slot ids ([T] ints in [0, num_blocks * block_size), no repeats)."""
+    def slots(self, slot_mapping: np.ndarray, device: mx.array | None = None) -> Slots:
+        """Validate host slot ids ([T] ints in [0, num_blocks * block_size), no repeats).
+
+        device: the same ids already on the device (`BatchMetadata.slot_mapping`), used by a
+        scattered write in place of a fresh copy: a host-written array costs the first kernel
+        that reads near it a page migration on a CUDA GPU."""
         rows = as_ints(slot_mapping, "slot_mapping", low=0,
                        high=self.num_blocks * self.block_size - 1)
+        if device is not None and (device.shape != rows.shape
+                                   or not mx.issubdtype(device.dtype, mx.integer)):
+            raise ValueError(f"slot_mapping: the device copy must be {rows.shape} integers, "
+                             f"got {device.shape} {device.dtype}")
         cuts = np.flatnonzero(np.diff(rows) != 1) + 1
         if len(rows) and len(cuts) < MAX_SLICE_RUNS:
             ends = np.concatenate([[0], cuts, [len(rows)]])
@@ -98,8 +106,10 @@ class PagedKVCache:
         ordered = np.sort(rows)
         if np.any(ordered[1:] == ordered[:-1]):
             raise ValueError("slot_mapping: a slot is written twice in one forward")
-        index = rows.astype(np.int32 if self.num_blocks * self.block_size < 2**31 else np.int64)
-        return Slots(id(self), len(rows), (), mx.array(index))
+        if device is None:
+            device = mx.array(rows.astype(np.int32 if self.num_blocks * self.block_size < 2**31
+                                          else np.int64))
+        return Slots(id(self), len(rows), (), device)
 
     def write(self, layer: int, keys: mx.array, values: mx.array, slots: Slots) -> None:
         """Copy new rows into their slots; lazily, so the write joins the layer's graph.

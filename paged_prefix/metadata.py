@@ -190,8 +190,9 @@ class BatchMetadata:
     input_ids      [T] int32: the scheduled (uncached) tokens, packed (host mirror
                    `input_ids_host`).
     positions      [T] int32: absolute positions, starting at each num_computed_tokens.
-    slot_mapping   [T] int64: cache row `block_id * block_size + offset` per new token
-                   (host mirror `slot_mapping_host`).
+    slot_mapping   [T] int32 (int64 past 2**31 cache rows): cache row
+                   `block_id * block_size + offset` per new token (host mirror
+                   `slot_mapping_host`, int64).
     logits_indices [R] int32: row of the last new token of every request that samples in
                    this forward, in `sample_req_ids` order.
     """
@@ -271,7 +272,8 @@ def build_batch_metadata(
         input_ids=mx.array(ids),
         input_ids_host=ids,
         positions=mx.array(pos.astype(np.int32)),
-        slot_mapping=mx.array(slots),
+        slot_mapping=mx.array(slots.astype(
+            np.int32 if num_blocks * block_size <= MAX_INT32 + 1 else np.int64)),
         slot_mapping_host=slots,
         logits_indices=mx.array(np.array([row for row, _ in samples], dtype=np.int32)),
         sample_req_ids=tuple(req_id for _, req_id in samples),

@@ -18,3 +18,5 @@ python3 bench/attention_sweep.py --out "$out/sweep.json" 2>&1 | tee "$out/sweep.
 python3 -m pytest -q -p no:cacheprovider bench/test_bench_prefill.py --benchmark-only \
     --benchmark-columns=min,median,mean,rounds --benchmark-sort=name \
     --benchmark-json="$out/prefill.json" 2>&1 | tee "$out/prefill.txt"
+python3 bench/prefill_interleaved.py --out "$out/prefill_interleaved.json" 2>&1 \
+    | tee "$out/prefill_interleaved.txt"

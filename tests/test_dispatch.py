@@ -49,7 +49,10 @@ class FakeGather:
     def unsupported_reason(self, dtype, head_dim):
         return None
 
-    def __call__(self, k_cache, v_cache, tables, plan):
+    def check(self, k_cache, v_cache, plan):
+        pass
+
+    def launch(self, k_cache, v_cache, tables, plan):
         return [reference.gather_kv(k_cache, v_cache, tables[s], n)
                 for s, n in zip(plan.seqs, plan.seq_lens)]
 
@@ -104,6 +107,43 @@ def test_auto_follows_the_backends_rule_and_support():
     meta = build_attention_metadata([3], [20], c.pages, 16, c.num_blocks)
     d.plan(meta, Geometry(8, 2, 128, 16, mx.float16, 0.125))
     assert d.last.path == "sdpa" and "head_dim 128" in d.last.reason
+
+
+class CountingAttention(FakeAttention):
+    plans = 0
+
+    def plan(self, cu, lens, g):
+        self.plans += 1
+        return super().plan(cu, lens, g)
+
+
+def test_a_batch_planned_again_reuses_its_plan_per_chosen_path():
+    """The benchmark repeats one batch: its plan (device arrays the host writes) is built once
+    per path, and a new batch or a new choice (the rule flips after a shape's first request)
+    plans afresh."""
+    asked = set()
+
+    def second_time_sdpa(cu, lens, g):  # rules.CudaSdpaRule's shape memory, in small
+        key = tuple(np.diff(cu))
+        seen = key in asked
+        asked.add(key)
+        return "asked before" if seen else None
+    attention = CountingAttention()
+    d = Dispatcher("auto", backends={"fake": KernelBackend("fake", attention, FakeGather(),
+                                                           second_time_sdpa)}, strict=True)
+    c = PagedCase([5, 1], [13, 30], 8, 2, 64, 16, mx.float16, seed=0)
+    meta = build_attention_metadata([5, 1], [13, 30], c.pages, 16, c.num_blocks)
+    args = (c.q, c.k_new, c.v_new, c.k_cache, c.v_cache)
+    first = d.plan(meta, GEOMETRY)
+    assert first.choice.path == "fake" and attention.plans == 2  # the canary's, then this one
+    sdpa = [d.plan(meta, GEOMETRY) for _ in range(3)]
+    assert {a.choice.path for a in sdpa} == {"sdpa"}
+    assert sdpa[0]._unchecked is sdpa[2]._unchecked  # planned once for the three
+    for attention_call in (first, *sdpa):
+        assert_close(attention_call(*args), c.oracle(0.125), mx.float16)
+    again = build_attention_metadata([5, 1], [13, 30], c.pages, 16, c.num_blocks)
+    assert d.plan(again, GEOMETRY)._unchecked is not sdpa[0]._unchecked
+    assert attention.plans == 2
 
 
 @pytest.mark.parametrize("broken", [dict(error=0.02), dict(fails=True)],

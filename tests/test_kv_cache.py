@@ -26,13 +26,17 @@ LAYOUTS = ["scattered", "runs-3", "runs-2-0-4", "runs-5-1-3-0", "runs-5-1-3-0-2"
 @pytest.mark.parametrize("dtype", DTYPES.values(), ids=DTYPES.keys())
 @pytest.mark.parametrize("block_size", [8, 16, 32])
 @pytest.mark.parametrize("layout", LAYOUTS)
-def test_write_lands_in_slots(dtype, block_size, layout):
+@pytest.mark.parametrize("device", [False, True], ids=["host", "device-copy"])
+def test_write_lands_in_slots(dtype, block_size, layout, device):
     cache = PagedKVCache(2, 6, block_size, 2, 64, dtype)
     rng = np.random.default_rng(block_size)
     slots = slot_layout(layout, block_size, rng)
-    checked = cache.slots(slots)
+    on_device = mx.array(slots.astype(np.int32)) if device else None
+    checked = cache.slots(slots, on_device)
     sliced = layout.startswith("runs") and len(layout.split("-")) <= 1 + MAX_SLICE_RUNS
     assert bool(checked.runs) == sliced  # the path under test is the one that ran
+    if device and not sliced:
+        assert checked.device is on_device  # the caller's copy, no fresh host-written array
     if layout == "runs-1-2-3":
         assert len(checked.runs) == 1
     k = mx.array(rng.standard_normal((len(slots), 2, 64), dtype=np.float32)).astype(dtype)
@@ -99,6 +103,13 @@ def test_bad_slots_are_refused(slots, match):
     cache = PagedKVCache(1, 4, 16, 2, 64)
     with pytest.raises(ValueError, match=match):
         cache.slots(np.array(slots))
+
+
+@pytest.mark.parametrize("device", [mx.array([1, 5]), mx.array([1.0, 5.0, 7.0])])
+def test_a_bad_device_copy_of_the_slots_is_refused(device):
+    cache = PagedKVCache(1, 4, 16, 2, 64)
+    with pytest.raises(ValueError, match="slot_mapping: the device copy"):
+        cache.slots(np.array([1, 5, 7]), device)
 
 
 def test_write_checks_its_arguments():

@@ -202,6 +202,31 @@ def test_pipelined_forward_changes_no_bit(path):
         np.testing.assert_array_equal(got, want)
 
 
+@pytest.mark.parametrize("path", ["reference", "sdpa", *KERNEL_PATHS])
+def test_a_batch_run_again_reuses_its_checks_and_changes_no_bit(path):
+    """A benchmark repeats one step: the same metadata forwarded again reuses its checked slots
+    (scattered here: the device copy of the metadata, no fresh array) and its plan, and
+    rewrites the same rows with the same values."""
+    h = Harness("llama-test", path, mx.float16)
+    shared = prompt_of(5, BS)
+    first = h.blocks(36)
+    h.step(ScheduledRequest("a", shared + prompt_of(6, 20), 36, 0, 36, first))
+    prompt = shared + prompt_of(7, 74)  # 5 new blocks, shuffled: more runs than are sliced
+    meta = build_batch_metadata([ScheduledRequest("b", prompt, 90, BS, 74,
+                                                  first[:1] + h.blocks(90 - BS))], BS, NUM_BLOCKS)
+    runs = []
+    for _ in range(3):
+        logits = h.runner.forward(meta)
+        mx.eval(logits, h.runner.kv_cache.arrays())
+        runs.append((np.array(logits.astype(mx.float32)), cache_state(h.runner)))
+    slots = h.runner._slots(meta)
+    assert not slots.runs and slots.device is meta.slot_mapping
+    for logits, cache in runs[1:]:
+        np.testing.assert_array_equal(logits, runs[0][0])
+        for got, want in zip(cache, runs[0][1]):
+            np.testing.assert_array_equal(got, want)
+
+
 class Broken(nn.Module):
     def __call__(self, *args, **kwargs):
         raise RuntimeError("layer 1 broke")
