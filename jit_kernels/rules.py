@@ -6,6 +6,9 @@ cached prefix costs the SDPA path no gather at all (it attends over its own new 
 
 from __future__ import annotations
 
+import os
+from collections import OrderedDict
+
 import numpy as np
 
 from .support import Geometry
@@ -26,6 +29,8 @@ from .support import Geometry
 # batch goes to it only when every sequence is such a prefill: decode rows and short suffixes
 # would cost it a launch each (32 decode rows with no context: SDPA 672 us, kernel 23 us).
 CUDA_SDPA_MIN_Q = 256
+# MLX's own cache of cuDNN SDPA graphs (mlx/backend/cuda/scaled_dot_product_attention.cpp).
+SDPA_CACHE_ENV, DEFAULT_SDPA_CACHE_SIZE = "MLX_CUDA_SDPA_CACHE_SIZE", 256
 # Unmeasured on Apple hardware: only fresh long prompts (mlx-lm's own path) leave the kernel.
 METAL_SDPA_MIN_Q = 512
 
@@ -54,10 +59,20 @@ class CudaSdpaRule:
     compiles once per variant; a shape that comes again, and so is likely to keep coming, goes
     to SDPA and pays for its graph once. (With every graph built, SDPA and the kernel took
     about the same time over a chunked prefill of 32 prompts: 467 vs 448 ms.)
+
+    MLX keeps the graphs in a least-recently-used cache of MLX_CUDA_SDPA_CACHE_SIZE shapes
+    (default 256); the rule remembers as many shapes, dropping the least recently asked, so a
+    shape MLX has evicted goes back to the kernel and a long-running server's memory of shapes
+    stays bounded.
     """
 
-    def __init__(self):
-        self._asked: set[tuple] = set()
+    def __init__(self, capacity: int | None = None):
+        if capacity is None:
+            capacity = int(os.environ.get(SDPA_CACHE_ENV, DEFAULT_SDPA_CACHE_SIZE))
+        if capacity < 1:
+            raise ValueError(f"capacity: expected at least 1 shape, got {capacity}")
+        self.capacity = capacity
+        self._asked: OrderedDict[tuple, None] = OrderedDict()
 
     def __call__(self, cu_seqlens_q: np.ndarray, seq_lens: np.ndarray,
                  geometry: Geometry) -> str | None:
@@ -67,8 +82,12 @@ class CudaSdpaRule:
         g = geometry
         shapes = {(g.num_heads, g.num_kv_heads, g.head_dim, g.dtype, int(q), int(k))
                   for q, k in zip(np.diff(cu_seqlens_q), seq_lens)}
-        new = shapes - self._asked
-        self._asked |= shapes
+        new = [s for s in shapes if s not in self._asked]
+        for shape in shapes:
+            self._asked[shape] = None
+            self._asked.move_to_end(shape)
+        while len(self._asked) > self.capacity:
+            self._asked.popitem(last=False)
         return None if new else f"{reason}, at shapes asked for before (cuDNN graphs built)"
 
 

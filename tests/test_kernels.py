@@ -307,6 +307,26 @@ def test_cuda_measured_rule(q_lens, ctx_lens, sdpa):
         assert rule(cu, lens + np.eye(len(q_lens), dtype=int)[0] * 16, g) is None
 
 
+def test_cuda_rule_forgets_shapes_as_mlx_evicts_their_graphs(monkeypatch):
+    """The rule's memory of shapes is an LRU of MLX's cuDNN graph-cache size: the least recently
+    asked shape is forgotten (its graph may be gone), a shape asked again is kept."""
+    g = Geometry(32, 8, 128, 16, mx.bfloat16, 128 ** -0.5)
+
+    def ask(rule, q):
+        return rule(np.array([0, q]), np.array([q + 100]), g) is not None
+    monkeypatch.setenv("MLX_CUDA_SDPA_CACHE_SIZE", "3")
+    rule = rules.CudaSdpaRule()
+    assert rule.capacity == 3
+    for q in (300, 400, 500):
+        assert not ask(rule, q)
+    assert ask(rule, 300)  # now the most recent
+    assert not ask(rule, 600)  # evicts 400, the least recently asked
+    assert ask(rule, 300) and ask(rule, 500) and not ask(rule, 400)
+    assert len(rule._asked) == 3
+    with pytest.raises(ValueError, match="capacity"):
+        rules.CudaSdpaRule(0)
+
+
 @pytest.mark.parametrize("q_lens,ctx_lens,sdpa", [
     ([4096], [0], True), ([4096], [16], False), ([64], [0], False), ([1] * 32, [0] * 32, False),
 ])
