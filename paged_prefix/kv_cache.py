@@ -86,9 +86,11 @@ class PagedKVCache:
     def slots(self, slot_mapping: np.ndarray, device: mx.array | None = None) -> Slots:
         """Validate host slot ids ([T] ints in [0, num_blocks * block_size), no repeats).
 
-        device: the same ids already on the device (`BatchMetadata.slot_mapping`), used by a
-        scattered write in place of a fresh copy: a host-written array costs the first kernel
-        that reads near it a page migration on a CUDA GPU."""
+        device: the same ids already on the device (`BatchMetadata.slot_mapping`, built from
+        the same host array), used by a scattered write in place of a fresh copy: a
+        host-written array costs the first kernel that reads near it a page migration on a CUDA
+        GPU. Only its shape and dtype are checked (its values would need a host sync): pass
+        nothing but the copy made from `slot_mapping`."""
         rows = as_ints(slot_mapping, "slot_mapping", low=0,
                        high=self.num_blocks * self.block_size - 1)
         if device is not None and (device.shape != rows.shape

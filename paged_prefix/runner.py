@@ -26,7 +26,7 @@ from jit_kernels.support import Geometry
 
 from .attention import ForwardContext, PagedAttention, patch_attention
 from .dispatch import Dispatcher
-from .kv_cache import PagedKVCache
+from .kv_cache import PagedKVCache, Slots
 from .metadata import BatchMetadata
 
 # mlx-lm model types whose attention PagedAttention takes over (mistral runs mlx-lm's llama).
@@ -114,7 +114,7 @@ class PagedModelRunner:
             raise ValueError(f"token_ids: {int(meta.input_ids_host.max())} is outside the "
                              f"model's vocabulary of {self.vocab_size}")
 
-    def _slots(self, meta: BatchMetadata):
+    def _slots(self, meta: BatchMetadata) -> Slots:
         """The batch's slots checked against the cache; a batch run again (the same frozen
         metadata, as a benchmark repeats one step) reuses them, as the dispatcher its plan."""
         key = (meta, self.kv_cache)
