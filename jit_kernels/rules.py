@@ -47,6 +47,16 @@ def cuda_prefers_sdpa(cu_seqlens_q: np.ndarray, seq_lens: np.ndarray,
     return None
 
 
+def sdpa_cache_size() -> int:
+    """MLX's cuDNN graph-cache capacity, read from the environment as MLX reads it (>= 1)."""
+    value = os.environ.get(SDPA_CACHE_ENV, "").strip()
+    if not value:
+        return DEFAULT_SDPA_CACHE_SIZE
+    if not value.isdigit() or int(value) < 1:
+        raise ValueError(f"{SDPA_CACHE_ENV}: expected a number of shapes >= 1, got {value!r}")
+    return int(value)
+
+
 class CudaSdpaRule:
     """`cuda_prefers_sdpa` for shapes asked for before in this process; the kernel otherwise.
 
@@ -68,7 +78,7 @@ class CudaSdpaRule:
 
     def __init__(self, capacity: int | None = None):
         if capacity is None:
-            capacity = int(os.environ.get(SDPA_CACHE_ENV, DEFAULT_SDPA_CACHE_SIZE))
+            capacity = sdpa_cache_size()
         if capacity < 1:
             raise ValueError(f"capacity: expected at least 1 shape, got {capacity}")
         self.capacity = capacity

@@ -325,6 +325,10 @@ def test_cuda_rule_forgets_shapes_as_mlx_evicts_their_graphs(monkeypatch):
     assert len(rule._asked) == 3
     with pytest.raises(ValueError, match="capacity"):
         rules.CudaSdpaRule(0)
+    for bad in ("0", "many", "-3"):
+        monkeypatch.setenv("MLX_CUDA_SDPA_CACHE_SIZE", bad)
+        with pytest.raises(ValueError, match="MLX_CUDA_SDPA_CACHE_SIZE"):
+            rules.CudaSdpaRule()
 
 
 @pytest.mark.parametrize("q_lens,ctx_lens,sdpa", [
