@@ -19,6 +19,7 @@ from mlx_lm.models.rope_utils import Llama3RoPE
 
 from .dispatch import ForwardAttention
 from .kv_cache import PagedKVCache, Slots
+from .linear import StackedLinear
 from .metadata import BatchMetadata
 
 # RoPE variants whose `offset` may be an array of per-row positions (they pass it
@@ -47,6 +48,7 @@ class PagedAttention(nn.Module):
             raise ValueError(f"rope: {type(attn.rope).__name__} cannot take per-token positions")
         self.q_proj, self.k_proj = attn.q_proj, attn.k_proj
         self.v_proj, self.o_proj = attn.v_proj, attn.o_proj
+        self._qkv = StackedLinear()  # q, k, v as one matmul
         if "q_norm" in attn:
             self.q_norm, self.k_norm = attn.q_norm, attn.k_norm
         self.rope = attn.rope
@@ -57,11 +59,12 @@ class PagedAttention(nn.Module):
     def __call__(self, x: mx.array, mask=None, cache: ForwardContext | None = None) -> mx.array:
         if not isinstance(cache, ForwardContext):
             raise ValueError("cache: PagedAttention runs only inside PagedModelRunner.forward")
-        _, num_tokens, _ = x.shape  # x: [1, T, hidden], all sequences packed
+        num_tokens, _ = x.shape  # x: [T, hidden], all sequences packed
         # [T, heads, 1, D]: each token its own RoPE batch row, so it carries its own offset
-        q = self.q_proj(x).reshape(num_tokens, self.n_heads, 1, -1)
-        k = self.k_proj(x).reshape(num_tokens, self.n_kv_heads, 1, -1)
-        v = self.v_proj(x).reshape(num_tokens, self.n_kv_heads, -1)
+        q, k, v = self._qkv(x, self.q_proj, self.k_proj, self.v_proj)
+        q = q.reshape(num_tokens, self.n_heads, 1, -1)
+        k = k.reshape(num_tokens, self.n_kv_heads, 1, -1)
+        v = v.reshape(num_tokens, self.n_kv_heads, -1)
         if "q_norm" in self:
             q, k = self.q_norm(q), self.k_norm(k)
         positions = cache.meta.positions
@@ -73,7 +76,7 @@ class PagedAttention(nn.Module):
         out = cache.attention(q, k, v, *cache.kv_cache.stored(self.layer))
         if out.dtype != x.dtype:
             out = out.astype(x.dtype)
-        return self.o_proj(out.reshape(1, num_tokens, -1))
+        return self.o_proj(out.reshape(num_tokens, -1))
 
 
 def patch_attention(model: nn.Module) -> int:

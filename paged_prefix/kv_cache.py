@@ -138,9 +138,14 @@ class PagedKVCache:
             rows = rows.astype(self.dtype)
         return rows if self._storage == self.dtype else rows.view(self._storage)
 
-    def arrays(self) -> list[mx.array]:
-        """Every layer's current K and V arrays, e.g. to evaluate pending writes."""
-        return self._k + self._v
+    def arrays(self, layers: range | None = None) -> list[mx.array]:
+        """The current K and V arrays of `layers` (default: every layer), e.g. to evaluate
+        pending writes. Evaluating an array keeps it referenced until the device has run
+        everything sent with it, and a write into a referenced array copies it: evaluate only
+        the layers whose writes are pending."""
+        if layers is None:
+            return self._k + self._v
+        return [self._k[i] for i in layers] + [self._v[i] for i in layers]
 
     def snapshot(self) -> list[mx.array]:
         """Views of every layer's arrays as they are now, for `restore` after a failed forward.

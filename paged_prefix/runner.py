@@ -17,6 +17,7 @@ leaves nothing to hide it behind.
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 
 import mlx.core as mx
@@ -27,7 +28,9 @@ from jit_kernels.support import Geometry
 from .attention import ForwardContext, PagedAttention, patch_attention
 from .dispatch import Dispatcher
 from .kv_cache import PagedKVCache, Slots
+from .linear import pack_linears
 from .metadata import BatchMetadata
+from .mlp import patch_mlp
 
 # mlx-lm model types whose attention PagedAttention takes over (mistral runs mlx-lm's llama).
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
@@ -64,12 +67,20 @@ def _sends_after(layer: int) -> bool:
     return (layer + 1) & layer == 0
 
 
+# A forward built in one piece whose graph took at least this long skips the wait below.
+MIN_BUILD_S_WITHOUT_WAIT = 0.5e-3
+
+
 def _release_last_step() -> None:
-    """Wait until MLX has let go of the previous step's buffers; call before the first
-    evaluation of a forward's writes. MLX releases an evaluated step's buffers only once the
-    device reports it done, and a write into a cache array still held that way copies the whole
-    array instead of updating it in place (seen on CUDA right after the previous step's eval).
-    Called once the graph is built, so the wait overlaps the host's work on it."""
+    """Wait until MLX has let go of the previous step's buffers. MLX holds what a step sent to
+    the device until a worker thread learns the device is done, which can come after the
+    step's evaluation returned, and a write into a cache array still held copies the whole
+    array instead of updating it in place. A pipelined forward sends layer 0's writes one
+    layer's build after the previous step, so it waits first; so does a forward whose whole
+    graph took less than MIN_BUILD_S_WITHOUT_WAIT to build. Others send their first write a
+    whole build later: on the H200 no step copied without the wait (bench/pool_copies.py, a
+    1 GiB-per-layer cache, decode and prefill steps of a 1.1B model, builds of 0.6-1 ms),
+    where the wait cost 0.2-0.5 ms a step."""
     mx.synchronize()
 
 
@@ -92,6 +103,9 @@ class PagedModelRunner:
             raise ValueError(
                 f"kv_cache: {kv_cache.num_kv_heads} kv heads of {kv_cache.head_dim} but the "
                 f"model has {attn.n_kv_heads} of {head_dim}")
+        patch_mlp(model)
+        for layer in model.layers:  # the runner feeds packed [T, hidden] rows
+            pack_linears(layer)
         self.model = model
         self.kv_cache = kv_cache
         self.dispatcher = dispatcher or Dispatcher()
@@ -135,9 +149,11 @@ class PagedModelRunner:
         pipeline = self.pipeline
         if pipeline is None:
             pipeline = mx.default_device() == mx.gpu and meta.num_tokens >= PIPELINE_MIN_TOKENS
+        start = time.perf_counter()
         snapshot = self.kv_cache.snapshot()
+        unsent = 0  # the first layer whose writes have not been sent to the device
         try:
-            hidden = inner.embed_tokens(meta.input_ids[None])
+            hidden = inner.embed_tokens(meta.input_ids)  # [T, hidden]: packed rows
             for i, layer in enumerate(inner.layers):
                 hidden = layer(hidden, None, ctx)
                 if pipeline and _sends_after(i):
@@ -145,22 +161,26 @@ class PagedModelRunner:
                     snapshot = None
                     if i == 0:
                         _release_last_step()
-                    # the writes too: a layer whose attention does not read the cache back
-                    # would otherwise keep its new K/V alive until the step's end
-                    mx.async_eval(hidden, self.kv_cache.arrays())
+                    # the writes too (a layer whose attention does not read the cache back
+                    # would keep its new K/V alive until the step's end), and only those: MLX
+                    # holds what it is sent until the device catches up, so sending a layer
+                    # not yet written would make its write copy the whole layer array
+                    # (every write of a 4096-token forward over a 1 GiB-per-layer cache did)
+                    mx.async_eval(hidden, self.kv_cache.arrays(range(unsent, i + 1)))
+                    unsent = i + 1
         except BaseException:
             if snapshot is not None:
                 self.kv_cache.restore(snapshot)
             raise
         del snapshot
-        if not pipeline:
+        if not pipeline and time.perf_counter() - start < MIN_BUILD_S_WITHOUT_WAIT:
             _release_last_step()
         self.stats.forwards += 1
         self.stats.tokens_computed += meta.num_tokens
         if not meta.sample_req_ids:  # a mid-prompt chunk: only its K/V writes matter
             return mx.zeros((0, self.vocab_size), dtype=mx.float32)
         # Only rows that sample pay for the final norm (row-wise) and the vocabulary projection.
-        sampled = mx.take(hidden, meta.logits_indices, axis=1)[0]
+        sampled = mx.take(hidden, meta.logits_indices, axis=0)
         return _lm_head(self.model, inner.norm(sampled)).astype(mx.float32)
 
     def greedy(self, meta: BatchMetadata) -> list[int]:

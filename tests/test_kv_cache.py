@@ -68,7 +68,7 @@ def test_write_is_in_place_not_a_cache_copy(layout):
     growth = []
     for _ in range(3):
         mx.eval(cache.arrays())
-        mx.synchronize()  # as the runner does before a forward's writes (see runner.py)
+        mx.synchronize()  # the write follows the evaluation at once (see runner.py)
         base = mx.get_active_memory()
         mx.reset_peak_memory()
         cache.write(0, k, k, slots)
