@@ -11,7 +11,8 @@ python3 -c "import mlx.core as mx; print('mlx', mx.__version__, mx.default_devic
     | tee -a "$out/gpu.txt"
 python3 -m pytest -q -p no:cacheprovider -m "not emulated" tests/test_kernels.py \
     tests/test_runner.py tests/test_dispatch.py tests/test_reference.py tests/test_kv_cache.py \
-    2>&1 | tee "$out/pytest.txt"
+    tests/test_linear.py 2>&1 | tee "$out/pytest.txt"
+python3 bench/host_ops.py 2>&1 | tee "$out/host_ops.txt"
 python3 bench/canary_cost.py --out "$out/canary.json" 2>&1 | tee -a "$out/gpu.txt"
 python3 bench/sdpa_new_shapes.py --out "$out/new_shapes.json" 2>&1 | tee "$out/new_shapes.txt"
 python3 bench/attention_sweep.py --out "$out/sweep.json" 2>&1 | tee "$out/sweep.txt"
@@ -20,3 +21,4 @@ python3 -m pytest -q -p no:cacheprovider bench/test_bench_prefill.py --benchmark
     --benchmark-json="$out/prefill.json" 2>&1 | tee "$out/prefill.txt"
 python3 bench/prefill_interleaved.py --out "$out/prefill_interleaved.json" 2>&1 \
     | tee "$out/prefill_interleaved.txt"
+python3 bench/pool_copies.py --out "$out/pool_copies.json" 2>&1 | tee "$out/pool_copies.txt"

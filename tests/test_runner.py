@@ -230,8 +230,9 @@ def test_a_batch_run_again_reuses_its_checks_and_changes_no_bit(path):
 @pytest.mark.parametrize("pipeline", [False, True])
 def test_steps_over_a_large_pool_copy_no_layer(pipeline):
     """A write into a layer array that MLX still holds copies the whole array. Over a 64 MiB
-    per-array pool, a step grows peak memory by far less than one array (a pipelined forward
-    once sent every layer's arrays along with its first layer's and copied all the others)."""
+    per-array pool, no step grows peak memory by an array (a pipelined forward once sent every
+    layer's arrays along with its first layer's and copied all the others). The CUDA
+    allocator's peak moves by up to half an array between steps that copy nothing."""
     cfg = resolve_config("llama-tiny")
     num_blocks = 16384
     kv = PagedKVCache(cfg["num_hidden_layers"], num_blocks, BS, cfg["num_key_value_heads"],
@@ -248,7 +249,7 @@ def test_steps_over_a_large_pool_copy_no_layer(pipeline):
         mx.eval(runner.forward(meta), kv.arrays())
         growth.append(mx.get_peak_memory() - base)
     array_bytes = kv.arrays()[0].nbytes
-    assert max(growth) < array_bytes / 4, (max(growth), array_bytes)
+    assert max(growth) < 0.9 * array_bytes, (growth, array_bytes)
 
 
 class Broken(nn.Module):
