@@ -3,7 +3,8 @@
 `PagedAttention` takes over the original module's projections, optional per-head norms
 (Qwen3's q_norm/k_norm) and RoPE under the same attribute names, so the parameter tree
 and weight loading are unchanged. Per forward it receives a `ForwardContext` in place
-of mlx-lm's KV cache and:
+of mlx-lm's KV cache and the forward's packed rows x [T, hidden], and:
+  0. projects q, k and v with one matmul (`linear.StackedLinear`);
   1. applies RoPE at each new token's absolute position (offset = num_computed_tokens);
   2. writes the new K/V into the paged cache by slot;
   3. attends over cached prefix + new tokens through the forward's planned attention.

@@ -1,8 +1,8 @@
 """Linear layers for the packed forward: fewer ops per layer for the host to build and encode.
 
 A short prefill's step is bound by host time (docs/gpu.md, "Host time per op"): on a CUDA GPU
-MLX spends ~17 us of host time encoding a matmul (cuBLASLt setup), ~4 us on a small kernel,
-and ~0.5 us building any op, views included. mlx-lm's `nn.Linear` computes `x @ weight.T`,
+MLX spends ~17 us of host time encoding a matmul (cuBLASLt set-up), ~4 us a small kernel, and
+0.3-3 us building any op, views included. mlx-lm's `nn.Linear` computes `x @ weight.T`,
 so every projection of every forward adds a transpose, and a [1, T, in] input a flatten and
 an unflatten around the matmul. Here:
   - `PackedLinear` keeps its weight's transposed view (no copy) and takes packed [T, in] rows;
@@ -58,8 +58,9 @@ class StackedLinear:
 
     The layers' `weight`s (and `bias`es) become views of one stacked array, so the weights are
     held once; a layer whose weight is replaced later (update, load_weights) is stacked again
-    at the next call. Quantized layers, or layers that differ in having a bias, are called one
-    by one. Kept outside the module tree: it holds no parameters of its own.
+    at the next call. Quantized layers, or layers that differ in having a bias or in their
+    weights' dtype, are called one by one. Kept outside the module tree: it holds no
+    parameters of its own.
     """
 
     def __init__(self) -> None:
@@ -71,7 +72,7 @@ class StackedLinear:
     def __call__(self, x: mx.array, *layers: nn.Module) -> list[mx.array]:
         biased = ["bias" in layer for layer in layers]
         if any(type(layer) not in (nn.Linear, PackedLinear) for layer in layers) or \
-                len(set(biased)) > 1:
+                len(set(biased)) > 1 or len({layer["weight"].dtype for layer in layers}) > 1:
             return [layer(x) for layer in layers]
         self._stack(layers, biased[0])
         y = x @ self._w_t if self._bias is None else mx.addmm(self._bias, x, self._w_t)

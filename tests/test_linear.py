@@ -102,3 +102,14 @@ def test_quantized_layers_are_called_one_by_one():
     got = StackedLinear()(x, quantized, layers[1], layers[2])
     for g, layer in zip(got, (quantized, layers[1], layers[2])):
         np.testing.assert_array_equal(np.array(g), np.array(layer(x)))
+
+
+def test_layers_of_different_dtypes_are_called_one_by_one():
+    layers = _layers(bias=False)
+    layers[2].set_dtype(mx.float16)
+    weights = [layer.weight for layer in layers]
+    x = mx.random.normal((5, 64), key=mx.random.key(4))
+    got = StackedLinear()(x, *layers)
+    assert all(layer.weight is w for layer, w in zip(layers, weights))  # nothing stacked
+    for g, layer in zip(got, layers):
+        np.testing.assert_array_equal(np.array(g), np.array(layer(x)))
