@@ -1,4 +1,5 @@
-"""PackedLinear: nn.Linear's numbers from a transpose built once; pack_linears' reach."""
+"""The packed forward's linear layers: nn.Linear's numbers from a transpose kept (PackedLinear)
+and from layers stacked into one matmul (StackedLinear); what the runner replaces."""
 
 from __future__ import annotations
 
@@ -8,8 +9,13 @@ import numpy as np
 import pytest
 from mlx.utils import tree_flatten
 
+from paged_prefix.dispatch import Dispatcher
+from paged_prefix.kv_cache import PagedKVCache
 from paged_prefix.linear import PackedLinear, StackedLinear, pack_linears
+from paged_prefix.metadata import ScheduledRequest, build_batch_metadata
+from paged_prefix.mlp import PackedMLP
 from paged_prefix.models import build_model, resolve_config
+from paged_prefix.runner import PagedModelRunner
 
 
 @pytest.mark.parametrize("bias", [False, True])
@@ -35,7 +41,7 @@ def test_a_replaced_weight_is_used_at_once():
 
 def test_pack_linears_replaces_plain_linears_only_and_keeps_the_parameter_tree():
     model = build_model(resolve_config("llama-tiny"), mx.float32)
-    before = {k: v for k, v in tree_flatten(model.parameters())}
+    before = dict(tree_flatten(model.parameters()))
     nn.quantize(model.layers[1], group_size=32, bits=8)
     quantized = sum(isinstance(m, nn.QuantizedLinear) for m in model.layers[1].modules())
     replaced = sum(pack_linears(layer) for layer in model.layers)
@@ -113,3 +119,22 @@ def test_layers_of_different_dtypes_are_called_one_by_one():
     assert all(layer.weight is w for layer, w in zip(layers, weights))  # nothing stacked
     for g, layer in zip(got, layers):
         np.testing.assert_array_equal(np.array(g), np.array(layer(x)))
+
+
+def test_the_runner_stacks_qkv_and_gate_up():
+    """Engagement: after a forward, every layer's q/k/v and gate/up weights are views of one
+    stack each, and the stack is what the forward multiplied by."""
+    cfg = resolve_config("llama-tiny")
+    kv = PagedKVCache(cfg["num_hidden_layers"], 8, 16, cfg["num_key_value_heads"],
+                      cfg["head_dim"], mx.float32)
+    runner = PagedModelRunner(build_model(cfg, mx.float32), kv, Dispatcher("reference"))
+    meta = build_batch_metadata([ScheduledRequest("r", list(range(3, 40)), 37, 0, 37, [1, 2, 3])],
+                                16, 8)
+    mx.eval(runner.forward(meta))
+    for layer in runner.model.layers:
+        attn, mlp = layer.self_attn, layer.mlp
+        assert isinstance(mlp, PackedMLP) and isinstance(attn.o_proj, PackedLinear)
+        for stacked, layers in ((attn._qkv, (attn.q_proj, attn.k_proj, attn.v_proj)),
+                                (mlp._gate_up, (mlp.gate_proj, mlp.up_proj))):
+            assert len(stacked._views) == len(layers)
+            assert all(view is layer.weight for view, layer in zip(stacked._views, layers))
