@@ -29,7 +29,7 @@ from dataclasses import dataclass
 import mlx.core as mx
 import numpy as np
 
-from .validate import as_int, as_ints
+from .validate import as_int, as_ints, index_dtype
 
 SUPPORTED_DTYPES = (mx.float16, mx.bfloat16, mx.float32)
 # More runs than this are scattered: each run is two slice-update ops to build per layer.
@@ -109,8 +109,7 @@ class PagedKVCache:
         if np.any(ordered[1:] == ordered[:-1]):
             raise ValueError("slot_mapping: a slot is written twice in one forward")
         if device is None:
-            device = mx.array(rows.astype(np.int32 if self.num_blocks * self.block_size < 2**31
-                                          else np.int64))
+            device = mx.array(rows.astype(index_dtype(self.num_blocks * self.block_size)))
         return Slots(id(self), len(rows), (), device)
 
     def write(self, layer: int, keys: mx.array, values: mx.array, slots: Slots) -> None:

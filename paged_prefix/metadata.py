@@ -22,9 +22,7 @@ from dataclasses import dataclass
 import mlx.core as mx
 import numpy as np
 
-from .validate import as_int, as_ints, frozen
-
-MAX_INT32 = 2**31 - 1
+from .validate import MAX_INT32, as_int, as_ints, frozen, index_dtype
 
 
 @dataclass(frozen=True, eq=False)
@@ -272,8 +270,7 @@ def build_batch_metadata(
         input_ids=mx.array(ids),
         input_ids_host=ids,
         positions=mx.array(pos.astype(np.int32)),
-        slot_mapping=mx.array(slots.astype(
-            np.int32 if num_blocks * block_size <= MAX_INT32 + 1 else np.int64)),
+        slot_mapping=mx.array(slots.astype(index_dtype(num_blocks * block_size))),
         slot_mapping_host=slots,
         logits_indices=mx.array(np.array([row for row, _ in samples], dtype=np.int32)),
         sample_req_ids=tuple(req_id for _, req_id in samples),

@@ -11,7 +11,12 @@ from collections.abc import Sequence
 
 import numpy as np
 
-MAX_INT64 = 2**63 - 1
+MAX_INT32, MAX_INT64 = 2**31 - 1, 2**63 - 1
+
+
+def index_dtype(count: int) -> type[np.integer]:
+    """The integer type for indices into `count` rows: int32 while every index fits it."""
+    return np.int32 if count <= MAX_INT32 + 1 else np.int64
 
 
 def _bounds(field: str, low: int | None, high: int | None) -> str:

@@ -4,6 +4,7 @@ import numpy as np
 import pytest
 
 from paged_prefix.metadata import ScheduledRequest, build_attention_metadata, build_batch_metadata
+from paged_prefix.validate import index_dtype
 
 BS = 16
 
@@ -140,3 +141,8 @@ def test_padding_entries_are_zero_and_tables_int32():
     meta = build_attention_metadata([5, 1], [20, 0], [[1, 2], [3]], BS, 4)
     assert meta.block_tables_host.dtype == np.int32
     assert meta.block_tables_host.tolist() == [[1, 2], [3, 0]]
+
+
+def test_slot_ids_are_int32_while_every_cache_row_fits():
+    assert index_dtype(2**31) is np.int32  # the last row is 2**31 - 1
+    assert index_dtype(2**31 + 1) is np.int64
