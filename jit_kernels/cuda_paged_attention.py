@@ -280,32 +280,45 @@ ATTENTION_SOURCE = r"""
   __syncthreads();
   if (!is_last) return;
   __threadfence();  // ... and the merging block fences before reading the others' (acquire).
-  constexpr int PER_LANE = D / 32;
-  for (int row = warp; row < rows; row += NUM_THREADS / 32) {
+  // Two threads per row (NUM_THREADS = 2 * BLOCK_M), each half the row's columns as float4s:
+  // a split's VEC loads are independent, so each thread keeps them all in flight (a warp per
+  // row, one split at a time, left the merge bound by L2 latency: 125 us at C=4096, Lq=16).
+  constexpr int HALF = D / 2, VEC = HALF / 4;
+  const int row = tid / 2, col0 = (tid % 2) * HALF;
+  if (row < rows) {
     // __ldcg: other blocks wrote these through L2; never serve them from this SM's L1
     const float* lse = lse_part + static_cast<size_t>(first) * BLOCK_M + row;  // stride BLOCK_M
-    const float* part = o_part + (static_cast<size_t>(first) * BLOCK_M + row) * D + lane * PER_LANE;
+    const float4* part = reinterpret_cast<const float4*>(
+        o_part + (static_cast<size_t>(first) * BLOCK_M + row) * D + col0);
+    constexpr size_t SPLIT_STRIDE = static_cast<size_t>(BLOCK_M) * D / 4;  // float4s per slot
     float top = -INFINITY;
-    for (int s = lane; s < nsplit; s += 32) top = fmaxf(top, __ldcg(lse + static_cast<size_t>(s) * BLOCK_M));
-    for (int off = 16; off > 0; off /= 2) top = fmaxf(top, __shfl_xor_sync(0xffffffff, top, off));
+#pragma unroll 8
+    for (int s = 0; s < nsplit; ++s) top = fmaxf(top, __ldcg(lse + static_cast<size_t>(s) * BLOCK_M));
     const float base = top == -INFINITY ? 0.f : top;
-    float acc[PER_LANE] = {}, sum = 0.f;
-    for (int s0 = 0; s0 < nsplit; s0 += 32) {
-      const int mine = s0 + lane;
-      const float w_mine =
-          mine < nsplit ? fast_exp2(__ldcg(lse + static_cast<size_t>(mine) * BLOCK_M) - base) : 0.f;
-      sum += w_mine;
-      const int n = min(32, nsplit - s0);
-      for (int j = 0; j < n; ++j) {
-        const float w = __shfl_sync(0xffffffff, w_mine, j);
-        const float* src = part + static_cast<size_t>(s0 + j) * BLOCK_M * D;
-        for (int c = 0; c < PER_LANE; ++c) acc[c] += w * __ldcg(src + c);
+    float4 acc[VEC];
+    for (int v = 0; v < VEC; ++v) acc[v] = make_float4(0.f, 0.f, 0.f, 0.f);
+    float sum = 0.f;
+    for (int s = 0; s < nsplit; ++s) {
+      const float w = fast_exp2(__ldcg(lse + static_cast<size_t>(s) * BLOCK_M) - base);
+      float4 x[VEC];
+#pragma unroll
+      for (int v = 0; v < VEC; ++v) x[v] = __ldcg(part + s * SPLIT_STRIDE + v);
+      sum += w;
+#pragma unroll
+      for (int v = 0; v < VEC; ++v) {
+        acc[v].x += w * x[v].x;
+        acc[v].y += w * x[v].y;
+        acc[v].z += w * x[v].z;
+        acc[v].w += w * x[v].w;
       }
     }
-    for (int off = 16; off > 0; off /= 2) sum += __shfl_xor_sync(0xffffffff, sum, off);
     const float inv = sum > 0.f ? 1.f / sum : 0.f;
-    T* dst = out + (static_cast<size_t>(tok0 + row / GROUP) * H + kvh * GROUP + row % GROUP) * D;
-    for (int c = 0; c < PER_LANE; ++c) dst[lane * PER_LANE + c] = static_cast<T>(acc[c] * inv);
+    T* dst = out + (static_cast<size_t>(tok0 + row / GROUP) * H + kvh * GROUP + row % GROUP) * D +
+             col0;
+    for (int v = 0; v < VEC; ++v)
+      *reinterpret_cast<uint2*>(dst + 4 * v) =
+          make_uint2(Mma<T>::pack(acc[v].x * inv, acc[v].y * inv),
+                     Mma<T>::pack(acc[v].z * inv, acc[v].w * inv));
   }
   if (tid == 0) *counter = 0;  // ready for the next launch that shares this plan
 """
@@ -315,6 +328,13 @@ _SOURCE_HASH = support.source_hash(HEADER, ATTENTION_SOURCE)
 # per FLOP of 64-row tiles) when they still give at least this many threadblocks; decode
 # batches and short suffixes keep 64-row tiles (more, smaller blocks in flight per SM).
 MIN_TILES_FOR_BLOCK_M_128 = 118  # ~0.9 x NUM_SMS: 128-row blocks run one per SM
+# Split KV into chunks of >= SPLIT_MIN_KV_TILES kv tiles, about SPLIT_ITEMS_PER_SM items per SM.
+# A split's fp32 partial (32 KB at 64 rows, D=128) costs as much traffic as two K/V tiles
+# read; measured on the H200 (Nsight Compute, H=32, Hkv=8, Lq=16 and 64, C=1024..16384),
+# chunks of >= 8 tiles at one item per SM took 0.42-0.98x the GPU time of 2-tile chunks at two
+# per SM, except C=16384, Lq=64 (1.03-1.06x).
+SPLIT_MIN_KV_TILES = 8
+SPLIT_ITEMS_PER_SM = 1
 
 
 def choose_block_m(num_tokens: int, group: int, num_kv_heads: int) -> int:
@@ -344,6 +364,9 @@ class CudaPagedAttention(support.PagedAttentionKernel):
 
     name = "cuda"
     head_dims = HEAD_DIMS
+    # instance-settable, so a benchmark can plan other chunkings side by side (bench/split_ncu.py)
+    split_min_kv_tiles = SPLIT_MIN_KV_TILES
+    split_items_per_sm = SPLIT_ITEMS_PER_SM
 
     def __init__(self, cuda_kernel=None):
         super().__init__(cuda_kernel or mx.fast.cuda_kernel)
@@ -356,6 +379,8 @@ class CudaPagedAttention(support.PagedAttentionKernel):
         # 128-row plans are chosen only when they fill the GPU: never split them
         tiles = tile_plan.build_tile_plan(lengths.cu_seqlens_q, lengths.seq_lens, group,
                                           num_kv_heads, block_m, BLOCK_N, NUM_SMS,
+                                          ctas_per_sm=self.split_items_per_sm,
+                                          min_chunk=self.split_min_kv_tiles,
                                           min_items=0 if block_m == 128 else None)
         g = geometry
         slots = max(tiles.num_slots, 1)  # outputs cannot be empty; unused when nothing is split

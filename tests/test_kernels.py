@@ -119,8 +119,8 @@ def test_batches(backend, q_lens, ctx_lens, block_m):
 
 @pytest.mark.parametrize("backend", BACKENDS[:1])  # Metal plans for 16 cores: <= 32 splits
 def test_more_than_32_splits(backend):
-    """C=4096, Lq=16 at H=32, Hkv=8: the merge's second chunk of 32 splits (and more)."""
-    plan = check(backend, [16], [4096], num_heads=32, num_kv_heads=8, block_m=64)
+    """C=16384, Lq=16 over 2 kv heads: each tile's key range split 33 ways, all merged."""
+    plan = check(backend, [16], [16384], num_heads=8, num_kv_heads=2, block_m=64)
     assert int(plan.tiles.work_host[:, tile_plan.NUM_SPLITS].max()) > 32
 
 
