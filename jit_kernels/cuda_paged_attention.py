@@ -328,10 +328,11 @@ _SOURCE_HASH = support.source_hash(HEADER, ATTENTION_SOURCE)
 # per FLOP of 64-row tiles) when they still give at least this many threadblocks; decode
 # batches and short suffixes keep 64-row tiles (more, smaller blocks in flight per SM).
 MIN_TILES_FOR_BLOCK_M_128 = 118  # ~0.9 x NUM_SMS: 128-row blocks run one per SM
-# Split KV into chunks of >= SPLIT_MIN_KV_TILES kv tiles, about SPLIT_ITEMS_PER_SM items per SM.
+# Split KV into about SPLIT_ITEMS_PER_SM items per SM, a tile of n kv tiles into ceil(n / chunk)
+# balanced parts, chunk = max(SPLIT_MIN_KV_TILES, the even share): parts of 4-8 tiles or more.
 # A split's fp32 partial (32 KB at 64 rows, D=128) costs as much traffic as two K/V tiles
 # read; measured on the H200 (Nsight Compute, H=32, Hkv=8, Lq=16 and 64, C=1024..16384),
-# chunks of >= 8 tiles at one item per SM took 0.42-0.98x the GPU time of 2-tile chunks at two
+# chunk >= 8 at one item per SM took 0.42-0.98x the GPU time of 2-tile chunks at two
 # per SM, except C=16384, Lq=64 (1.03-1.06x).
 SPLIT_MIN_KV_TILES = 8
 SPLIT_ITEMS_PER_SM = 1

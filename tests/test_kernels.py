@@ -307,6 +307,22 @@ def test_cuda_measured_rule(q_lens, ctx_lens, sdpa):
         assert rule(cu, lens + np.eye(len(q_lens), dtype=int)[0] * 16, g) is None
 
 
+@pytest.mark.parametrize("q_len,ctx,splits", [
+    (16, 1024, 3), (16, 4096, 9), (16, 16384, 17), (64, 4096, 5), (64, 16384, 5),
+])
+def test_cuda_split_chunking(q_len, ctx, splits):
+    """The CUDA plan's measured chunking (host-only): about one item per SM, and no part of a
+    split tile under half of SPLIT_MIN_KV_TILES kv tiles (a tile's parts are balanced)."""
+    from jit_kernels import cuda_paged_attention as cuda
+    g = Geometry(32, 8, 128, 16, mx.bfloat16, 128 ** -0.5)
+    tiles = cuda.CudaPagedAttention().plan(np.array([0, q_len]), np.array([q_len + ctx]), g).tiles
+    work = tiles.work_host
+    assert int(work[:, tile_plan.NUM_SPLITS].max()) == splits
+    assert tiles.num_items <= cuda.NUM_SMS * cuda.SPLIT_ITEMS_PER_SM + tiles.num_tiles
+    kv_tiles = -(-(work[:, tile_plan.KV_END] - work[:, tile_plan.KV_START]) // cuda.BLOCK_N)
+    assert kv_tiles.min() >= cuda.SPLIT_MIN_KV_TILES // 2
+
+
 def test_cuda_rule_forgets_shapes_as_mlx_evicts_their_graphs(monkeypatch):
     """The rule's memory of shapes is an LRU of MLX's cuDNN graph-cache size: the least recently
     asked shape is forgotten (its graph may be gone), a shape asked again is kept."""
