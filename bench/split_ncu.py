@@ -1,5 +1,6 @@
 """Split-KV chunking side by side under Nsight Compute: the paged kernel's GPU time per
-(kv tiles a chunk at least, items per SM), next to the contiguous-SDPA ceiling.
+(chunk: the fewest kv tiles a split part aims for, items per SM), next to the contiguous-SDPA
+ceiling.
 
     ncu --profile-from-start off --metrics gpu__time_duration.sum --csv --print-units base \\
         python bench/split_ncu.py --labels labels.txt > split.csv

@@ -18,6 +18,7 @@ import numpy as np
 import pytest
 
 from jit_kernels import available_backends, cuda_backend, metal_backend, rules
+from jit_kernels import cuda_paged_attention as cuda_attention
 from jit_kernels import plan as tile_plan
 from jit_kernels.contiguous_sdpa import plan_sdpa, sdpa_attention
 from jit_kernels.support import Geometry
@@ -313,14 +314,15 @@ def test_cuda_measured_rule(q_lens, ctx_lens, sdpa):
 def test_cuda_split_chunking(q_len, ctx, splits):
     """The CUDA plan's measured chunking (host-only): about one item per SM, and no part of a
     split tile under half of SPLIT_MIN_KV_TILES kv tiles (a tile's parts are balanced)."""
-    from jit_kernels import cuda_paged_attention as cuda
     g = Geometry(32, 8, 128, 16, mx.bfloat16, 128 ** -0.5)
-    tiles = cuda.CudaPagedAttention().plan(np.array([0, q_len]), np.array([q_len + ctx]), g).tiles
+    attention = cuda_attention.CudaPagedAttention()
+    tiles = attention.plan(np.array([0, q_len]), np.array([q_len + ctx]), g).tiles
     work = tiles.work_host
     assert int(work[:, tile_plan.NUM_SPLITS].max()) == splits
-    assert tiles.num_items <= cuda.NUM_SMS * cuda.SPLIT_ITEMS_PER_SM + tiles.num_tiles
-    kv_tiles = -(-(work[:, tile_plan.KV_END] - work[:, tile_plan.KV_START]) // cuda.BLOCK_N)
-    assert kv_tiles.min() >= cuda.SPLIT_MIN_KV_TILES // 2
+    per_sm, min_tiles = cuda_attention.SPLIT_ITEMS_PER_SM, cuda_attention.SPLIT_MIN_KV_TILES
+    assert tiles.num_items <= cuda_attention.NUM_SMS * per_sm + tiles.num_tiles
+    keys = work[:, tile_plan.KV_END] - work[:, tile_plan.KV_START]
+    assert (-(-keys // cuda_attention.BLOCK_N)).min() >= min_tiles // 2
 
 
 def test_cuda_rule_forgets_shapes_as_mlx_evicts_their_graphs(monkeypatch):
