@@ -214,6 +214,9 @@ def _check_request(r: ScheduledRequest, vocab_size: int | None) -> np.ndarray:
     """Validate one request; returns its scheduled token ids (int64)."""
     if not isinstance(r.req_id, str) or not r.req_id:
         raise ValueError(f"req_id: expected a non-empty str, got {r.req_id!r}")
+    if not isinstance(r.token_ids, (Sequence, np.ndarray)) or isinstance(r.token_ids, str):
+        raise ValueError(f"token_ids ({r.req_id!r}): expected a sequence of ints, got "
+                         f"{type(r.token_ids).__name__}")
     known = len(r.token_ids)
     computed = as_int(r.num_computed_tokens, f"num_computed_tokens ({r.req_id!r})", low=0)
     if computed > known:
@@ -224,7 +227,8 @@ def _check_request(r: ScheduledRequest, vocab_size: int | None) -> np.ndarray:
         raise ValueError(f"num_scheduled_tokens: {r.req_id!r} schedules tokens up to "
                          f"{computed + scheduled} but only {known} are known")
     as_int(r.num_prompt_tokens, f"num_prompt_tokens ({r.req_id!r})", low=1, high=known)
-    high = None if vocab_size is None else vocab_size - 1
+    # the ids travel as int32: without a vocabulary, that is their bound
+    high = MAX_INT32 if vocab_size is None else vocab_size - 1
     return as_ints(list(r.token_ids[computed:computed + scheduled]),
                    f"token_ids ({r.req_id!r})", low=0, high=high)
 
@@ -238,7 +242,7 @@ def build_batch_metadata(
     if not requests:
         raise ValueError("requests: a forward needs at least one scheduled request")
     if vocab_size is not None:
-        vocab_size = as_int(vocab_size, "vocab_size", low=1)
+        vocab_size = as_int(vocab_size, "vocab_size", low=1, high=MAX_INT32 + 1)
     if len({r.req_id for r in requests}) != len(requests):
         raise ValueError("req_id: a request is scheduled twice in one forward")
     input_ids = [_check_request(r, vocab_size) for r in requests]
@@ -250,13 +254,17 @@ def build_batch_metadata(
         num_blocks=num_blocks,
     )
     for writer, reader, i in shared:
-        # the reader's cached tokens up to the end of the block must be the writer's
+        # the reader's cached tokens up to the end of the block must be the writer's, and
+        # the writer must fill the block at least that far in this forward
         end = min(int(attn.context_lens_host[reader]), (int(i) + 1) * attn.block_size)
-        if list(requests[writer].token_ids[:end]) != list(requests[reader].token_ids[:end]):
-            raise ValueError(
-                f"block_ids: {requests[reader].req_id!r} reads block "
-                f"{attn.block_tables_host[reader, i]} as cached prefix while "
-                f"{requests[writer].req_id!r} writes other tokens into it")
+        w, r, block = requests[writer], requests[reader], attn.block_tables_host[reader, i]
+        if list(w.token_ids[:end]) != list(r.token_ids[:end]):
+            raise ValueError(f"block_ids: {r.req_id!r} reads block {block} as cached prefix "
+                             f"while {w.req_id!r} writes other tokens into it")
+        if int(attn.seq_lens_host[writer]) < end:
+            raise ValueError(f"block_ids: {r.req_id!r} reads block {block} as cached prefix up "
+                             f"to token {end}, but {w.req_id!r} fills it only up to token "
+                             f"{int(attn.seq_lens_host[writer])} in this forward")
     cu, ctx = attn.cu_seqlens_q_host, attn.context_lens_host
     pos = np.concatenate([np.arange(c, c + q) for c, q in zip(ctx, attn.q_lens_host)])
     seq_of_token = np.repeat(np.arange(attn.num_seqs), attn.q_lens_host)

@@ -117,6 +117,9 @@ class PagedModelRunner:
         self._last_slots: tuple | None = None  # ((metadata, cache), its checked slots)
 
     def _check(self, meta: BatchMetadata) -> None:
+        if not isinstance(meta, BatchMetadata):
+            raise ValueError(f"meta: expected build_batch_metadata's BatchMetadata, got "
+                             f"{type(meta).__name__}")
         attn = meta.attn
         if attn.block_size != self.kv_cache.block_size:
             raise ValueError(f"block_size: metadata built for {attn.block_size}, the cache has "
@@ -124,9 +127,11 @@ class PagedModelRunner:
         if attn.num_blocks > self.kv_cache.num_blocks:
             raise ValueError(f"num_blocks: metadata allows block ids < {attn.num_blocks}, the "
                              f"cache has {self.kv_cache.num_blocks} blocks")
-        if int(meta.input_ids_host.max()) >= self.vocab_size:
-            raise ValueError(f"token_ids: {int(meta.input_ids_host.max())} is outside the "
-                             f"model's vocabulary of {self.vocab_size}")
+        ids = meta.input_ids_host
+        if int(ids.min()) < 0 or int(ids.max()) >= self.vocab_size:
+            bad = int(ids.min()) if int(ids.min()) < 0 else int(ids.max())
+            raise ValueError(f"token_ids: {bad} is outside the model's vocabulary of "
+                             f"{self.vocab_size}")
 
     def _slots(self, meta: BatchMetadata) -> Slots:
         """The batch's slots checked against the cache; a batch run again (the same frozen

@@ -12,6 +12,7 @@ from collections.abc import Sequence
 import numpy as np
 
 MAX_INT32, MAX_INT64 = 2**31 - 1, 2**63 - 1
+_BOOLS = {bool, np.bool_}
 
 
 def index_dtype(count: int) -> type[np.integer]:
@@ -36,6 +37,9 @@ def as_int(value, field: str, low: int | None = None, high: int | None = None) -
 def as_ints(values: Sequence[int] | np.ndarray, field: str, low: int | None = None,
             high: int | None = None) -> np.ndarray:
     """values as int64, each an exact integer within [low, high]."""
+    if not isinstance(values, np.ndarray) and _BOOLS & set(map(type, values)):
+        # numpy reads [3, True] as int64 [3, 1]: a bool among ints is found only here
+        raise ValueError(f"{field}: expected integers, got a bool among them")
     try:
         arr = np.asarray(values)
     except (OverflowError, ValueError) as e:

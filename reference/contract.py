@@ -25,8 +25,21 @@ import mlx.core as mx
 import numpy as np
 
 
+def host_ints(values, field: str) -> np.ndarray:
+    """A flat host array of integers as int64; floats and bools are refused, not truncated."""
+    arr = np.asarray(values)
+    if arr.ndim != 1 or arr.dtype.kind not in "iu":
+        raise ValueError(f"{field}: expected a flat array of integers, got {arr.dtype} "
+                         f"of shape {arr.shape}")
+    if arr.dtype == np.uint64 and arr.size and arr.max() > np.iinfo(np.int64).max:
+        raise ValueError(f"{field}: {arr.max()} does not fit int64")
+    return arr.astype(np.int64)
+
+
 def check_lengths(cu_seqlens_q: np.ndarray, seq_lens: np.ndarray) -> None:
     """The host half of the contract (what a plan checks once per forward)."""
+    cu_seqlens_q = host_ints(cu_seqlens_q, "cu_seqlens_q")
+    seq_lens = host_ints(seq_lens, "seq_lens")
     num_seqs = len(seq_lens)
     if len(cu_seqlens_q) != num_seqs + 1 or num_seqs == 0:
         raise ValueError(f"cu_seqlens_q: expected {num_seqs + 1} entries for {num_seqs} "
@@ -34,7 +47,7 @@ def check_lengths(cu_seqlens_q: np.ndarray, seq_lens: np.ndarray) -> None:
     q_lens = np.diff(cu_seqlens_q)
     if cu_seqlens_q[0] != 0 or (q_lens < 1).any():
         raise ValueError(f"cu_seqlens_q: must start at 0 and grow by >= 1, got {list(cu_seqlens_q)}")
-    if (np.asarray(seq_lens) < q_lens).any():
+    if (seq_lens < q_lens).any():
         raise ValueError(f"seq_lens: {list(seq_lens)} shorter than the new tokens {list(q_lens)}")
 
 

@@ -77,10 +77,25 @@ def test_metadata_is_frozen_and_host_mirrors_read_only():
     (dict(tokens=[2**30] * 40), "token_ids"),  # past the vocabulary of 1000
     (dict(tokens=[2**70] * 40), "token_ids"),
     (dict(n=0, tokens=[], scheduled=1), "num_scheduled_tokens"),  # an empty prompt
+    (dict(blocks=(3, True, 7)), "block_tables"),  # numpy would read [3, True, 7] as [3, 1, 7]
+    (dict(blocks=(3, np.True_, 7)), "block_tables"),
+    (dict(tokens=[5] * 39 + [True]), "token_ids"),
+    (dict(tokens=iter(range(40))), "token_ids"),
+    (dict(tokens="a string of forty characters, not ids.."), "token_ids"),
 ])
 def test_bad_request_names_field(bad, field):
     with pytest.raises(ValueError, match=field):
         build_batch_metadata([req(**bad)], BS, 8, vocab_size=1000)
+
+
+@pytest.mark.parametrize("token", [2**31, 2**31 + 3, 2**32 + 5])
+def test_token_ids_fit_int32_without_a_vocabulary(token):
+    """With no vocabulary to bound them, token ids are bounded by their int32 transport (a
+    wrapped id would be another token, or a negative row of the embedding)."""
+    with pytest.raises(ValueError, match="token_ids"):
+        build_batch_metadata([req(tokens=[5] * 39 + [token])], BS, 8)
+    meta = build_batch_metadata([req(tokens=[5] * 39 + [2**31 - 1])], BS, 8)
+    assert meta.input_ids_host[-1] == 2**31 - 1
 
 
 def test_bad_request_id_and_batches():
@@ -90,6 +105,8 @@ def test_bad_request_id_and_batches():
         build_batch_metadata([req(None)], BS, 8)
     with pytest.raises(ValueError, match="requests"):
         build_batch_metadata([], BS, 8)
+    with pytest.raises(ValueError, match="token_ids"):
+        build_batch_metadata([ScheduledRequest("a", None, 1, 0, 1, [3])], BS, 8)
 
 
 def test_overlapping_writes_are_refused():
@@ -104,6 +121,10 @@ def test_overlapping_writes_are_refused():
     with pytest.raises(ValueError, match="another position"):
         build_batch_metadata([req("a", blocks=(3, 1, 7)),
                               req("b", computed=32, blocks=(1, 3, 5))], BS, 8)
+    # a reads block 1 as cached up to token 32, but b writes it only up to token 20 (a chunk)
+    with pytest.raises(ValueError, match="fills it only up to token 20"):
+        build_batch_metadata([req("b", scheduled=20, blocks=(3, 1, 7)),
+                              req("a", computed=32, blocks=(3, 1, 5))], BS, 8)
 
 
 def test_shared_prefix_blocks_stay_legal():

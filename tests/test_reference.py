@@ -8,7 +8,7 @@ from hypothesis import strategies as st
 
 import reference
 from jit_kernels.contiguous_sdpa import plan_sdpa, sdpa_attention
-from jit_kernels.support import Geometry
+from jit_kernels.support import Geometry, Lengths
 from tests.conftest import DTYPES, PagedCase, assert_close
 
 NUM_KV_HEADS = 2
@@ -89,9 +89,16 @@ def test_contract_violations_name_the_input(change, field):
     ([1, 5], [25], "cu_seqlens_q"),
     ([0, 5], [4], "seq_lens"),
     ([0, 5], [25, 7], "cu_seqlens_q"),
+    ([0, 5], [25.9], "seq_lens"),  # not truncated to 25
+    ([0, 5.0], [25], "cu_seqlens_q"),
+    ([0, 5], [True], "seq_lens"),
+    ([[0, 5]], [25], "cu_seqlens_q"),
+    ([0, 5], [2**64 - 1], "seq_lens"),
 ])
 def test_bad_lengths_name_the_field(cu, lens, field):
     c = PagedCase([5], [20], 4, 2, 64, 16, mx.float32, seed=3)
     with pytest.raises(ValueError, match=field):
         reference.paged_attention(c.q, c.k_cache, c.v_cache, c.block_tables, np.array(cu),
                                   np.array(lens), 0.125)
+    with pytest.raises(ValueError, match=field):  # every backend's plan checks them alike
+        Lengths.of(np.array(cu), np.array(lens))

@@ -329,6 +329,12 @@ def test_tokens_outside_the_vocabulary_are_refused():
         h.runner.forward(meta)
 
 
+def test_forward_takes_only_batch_metadata():
+    h = Harness("llama-test", "reference")
+    with pytest.raises(ValueError, match="meta: expected"):
+        h.runner.forward(None)
+
+
 def test_quantized_model_mid_prompt_chunk_returns_no_rows():
     """Defect 6: nothing to sample -> an empty result, the vocabulary projection never runs
     (on 0 rows a quantized one killed the process with SIGFPE)."""
