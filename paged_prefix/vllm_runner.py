@@ -17,9 +17,11 @@ exactly the tokens it was told to, starting at `num_computed_tokens`.
 
 A step is all or nothing: every change the SchedulerOutput makes to the request states is
 applied to copies and checked (unknown ids, empty or out-of-vocabulary prompts, non-integer
-ids: a ValueError naming the field), the batch metadata is built, and only after the
-forward has succeeded are the copies committed. A step that raises leaves the request
-states as they were; the forward itself writes no cache row before its own checks pass.
+ids, sampling options naming ids outside the vocabulary, a running request's computed count
+other than what this runner computed, a write into a block another live request holds: a
+ValueError naming the field), the batch metadata is built, and only after the forward has
+succeeded are the copies committed. A step that raises leaves the request states as they
+were; the forward itself writes no cache row before its own checks pass.
 """
 
 from __future__ import annotations
@@ -42,7 +44,7 @@ from .kv_cache import PagedKVCache
 from .metadata import BatchMetadata, ScheduledRequest, build_batch_metadata
 from .runner import PagedModelRunner
 from .validate import as_ints
-from .vllm_sampling import BatchSampler, SamplingRow, make_generator, unsupported_reason
+from .vllm_sampling import BatchSampler, SamplingRow, make_generator, out_of_vocabulary, unsupported_reason
 
 TORCH_TO_MLX = {torch.float16: mx.float16, torch.bfloat16: mx.bfloat16, torch.float32: mx.float32}
 
@@ -54,6 +56,7 @@ class _Request:
     block_ids: tuple[int, ...]
     params: SamplingParams
     generator: torch.Generator | None  # seeded requests only; survives preemption
+    num_computed: int  # tokens whose K/V this runner has written (or the scheduler's hit)
 
     @property
     def token_ids(self) -> list[int]:
@@ -157,11 +160,18 @@ class VllmModelRunner:
             raise ValueError("initialize_kv_cache must run before execute_model")
         if self._pending is not None:
             raise ValueError("sample_tokens: the previous forward's tokens were never sampled")
-        requests, req_ids = self._plan(scheduler_output)
+        requests, req_ids, computed = self._plan(scheduler_output)
         if not req_ids:
             self.requests = requests
             return EMPTY_MODEL_RUNNER_OUTPUT
-        meta = self._metadata(requests, req_ids, scheduler_output)
+        meta = self._metadata(requests, req_ids, computed, scheduler_output)
+        self._check_block_owners(requests, meta)
+        if len(meta.sample_req_ids) > self.sampler.max_rows:
+            raise ValueError(f"num_scheduled_tokens: {len(meta.sample_req_ids)} requests sample "
+                             f"in this step, more than max_num_seqs={self.sampler.max_rows}")
+        for s, r in enumerate(req_ids):  # after this forward, its K/V reach seq_lens[s]
+            requests[r] = dataclasses.replace(requests[r],
+                                              num_computed=int(meta.attn.seq_lens_host[s]))
         logits = self.runner.forward(meta)
         mx.eval(logits, self.runner.kv_cache.arrays())  # the forward's one host sync
         self.requests = requests
@@ -193,8 +203,9 @@ class VllmModelRunner:
         )
 
     # -- planning (no side effects) -----------------------------------------------------
-    def _plan(self, so: SchedulerOutput) -> tuple[dict[str, _Request], list[str]]:
-        """The request states after this step's changes, as new objects; self is untouched."""
+    def _plan(self, so: SchedulerOutput) -> tuple[dict[str, _Request], list[str], dict]:
+        """The request states after this step's changes, as new objects, the scheduled ids
+        and each one's computed tokens (the scheduler's count); self is untouched."""
         for field_name in ("scheduled_spec_decode_tokens", "scheduled_encoder_inputs",
                            "kv_cache_block_copies", "new_block_ids_to_zero"):
             if getattr(so, field_name, None):
@@ -202,20 +213,51 @@ class VllmModelRunner:
                                  "decoding, multimodal inputs and KV block copies are refused "
                                  "at startup)")
         requests = {r: s for r, s in self.requests.items() if r not in so.finished_req_ids}
+        for req_id in so.preempted_req_ids or ():  # vLLM freed their blocks
+            if req_id in requests:
+                requests[req_id] = dataclasses.replace(requests[req_id], block_ids=())
+        computed: dict[str, int] = {}
         for new in so.scheduled_new_reqs:
-            if new.req_id in requests:
+            if new.req_id in requests or new.req_id in computed:
                 raise ValueError(f"scheduled_new_reqs: {new.req_id!r} is already running")
             requests[new.req_id] = self._admit(new)
+            computed[new.req_id] = new.num_computed_tokens
         cached = so.scheduled_cached_reqs
+        n = len(cached.req_ids)
+        if len(cached.new_block_ids) != n or len(cached.num_computed_tokens) != n:
+            raise ValueError(f"scheduled_cached_reqs: {n} req_ids but "
+                             f"{len(cached.new_block_ids)} new_block_ids and "
+                             f"{len(cached.num_computed_tokens)} num_computed_tokens")
+        if not set(cached.resumed_req_ids) <= set(cached.req_ids):
+            raise ValueError(f"resumed_req_ids: {sorted(set(cached.resumed_req_ids) - set(cached.req_ids))} "
+                             "are not among scheduled_cached_reqs.req_ids")
         for i, req_id in enumerate(cached.req_ids):
             if req_id not in requests:
                 raise ValueError(f"scheduled_cached_reqs: unknown request id {req_id!r}")
-            requests[req_id] = self._update(requests[req_id], req_id, cached, i)
+            if req_id in computed:
+                raise ValueError(f"scheduled_cached_reqs: {req_id!r} is listed twice in one step")
+            state = self._update(requests[req_id], req_id, cached, i)
+            count = cached.num_computed_tokens[i]
+            # a running request continues where this runner stopped; a resumed one restarts
+            # from the scheduler's (new) hit
+            if req_id not in cached.resumed_req_ids and count != state.num_computed:
+                raise ValueError(f"num_computed_tokens: {req_id!r} has {count!r} by the "
+                                 f"scheduler's count, but this runner computed "
+                                 f"{state.num_computed}")
+            requests[req_id], computed[req_id] = state, count
         req_ids = list(so.num_scheduled_tokens)
         unknown = [r for r in req_ids if r not in requests]
         if unknown:
             raise ValueError(f"num_scheduled_tokens: unknown request ids {unknown}")
-        return requests, req_ids
+        missing = [r for r in req_ids if r not in computed]
+        if missing:
+            raise ValueError(f"num_scheduled_tokens: {missing} are neither new nor cached "
+                             "requests of this step")
+        unscheduled = [r for r in computed if r not in so.num_scheduled_tokens]
+        if unscheduled:
+            raise ValueError(f"num_scheduled_tokens: {unscheduled} are requests of this step "
+                             "with no tokens scheduled")
+        return requests, req_ids, computed
 
     def _admit(self, new: NewRequestData) -> _Request:
         rid = new.req_id
@@ -238,8 +280,11 @@ class VllmModelRunner:
                              "supported)")
         if (refused := unsupported_reason(new.sampling_params)) is not None:
             raise ValueError(f"{refused[0]}: request {rid!r}: {refused[1]}")
+        if (bad := out_of_vocabulary(new.sampling_params, self.vocab_size)) is not None:
+            raise ValueError(f"{bad[0]}: request {rid!r}: {bad[1]}")
         return _Request(tuple(prompt.tolist()), [], self._blocks(new.block_ids, rid),
-                        new.sampling_params, make_generator(new.sampling_params))
+                        new.sampling_params, make_generator(new.sampling_params),
+                        new.num_computed_tokens)
 
     def _update(self, state: _Request, req_id: str, cached, i: int) -> _Request:
         new_blocks = cached.new_block_ids[i]
@@ -255,7 +300,7 @@ class VllmModelRunner:
                 state = dataclasses.replace(state,
                                             output_token_ids=known[len(state.prompt_token_ids):])
             return state
-        if new_blocks:
+        if new_blocks is not None:  # None: no new block this step
             added = self._blocks(new_blocks, req_id)
             state = dataclasses.replace(state, block_ids=state.block_ids + added)
         return state
@@ -269,14 +314,7 @@ class VllmModelRunner:
                              high=self.runner.kv_cache.num_blocks - 1).tolist())
 
     def _metadata(self, requests: dict[str, _Request], req_ids: list[str],
-                  so: SchedulerOutput) -> BatchMetadata:
-        computed = dict(zip(so.scheduled_cached_reqs.req_ids,
-                            so.scheduled_cached_reqs.num_computed_tokens))
-        computed.update((n.req_id, n.num_computed_tokens) for n in so.scheduled_new_reqs)
-        missing = [r for r in req_ids if r not in computed]
-        if missing:
-            raise ValueError(f"num_scheduled_tokens: {missing} are neither new nor cached "
-                             "requests of this step")
+                  computed: dict[str, int], so: SchedulerOutput) -> BatchMetadata:
         scheduled = [
             ScheduledRequest(
                 req_id=r,
@@ -289,8 +327,26 @@ class VllmModelRunner:
             for r in req_ids
         ]
         cache = self.runner.kv_cache
-        return build_batch_metadata(scheduled, cache.block_size, cache.num_blocks,
+        meta = build_batch_metadata(scheduled, cache.block_size, cache.num_blocks,
                                     vocab_size=self.vocab_size)
+        if so.total_num_scheduled_tokens != meta.num_tokens:
+            raise ValueError(f"total_num_scheduled_tokens: {so.total_num_scheduled_tokens!r}, "
+                             f"but num_scheduled_tokens sums to {meta.num_tokens}")
+        return meta
+
+    def _check_block_owners(self, requests: dict[str, _Request], meta: BatchMetadata) -> None:
+        """A block this forward writes belongs to its writer: no live request outside the
+        forward may hold it (vLLM hands out only free blocks to write; within the forward,
+        the metadata checked every shared read)."""
+        written = np.unique(meta.slot_mapping_host // meta.attn.block_size)
+        in_forward = set(meta.req_ids)
+        for req_id, state in requests.items():
+            if req_id in in_forward or not state.block_ids:
+                continue
+            held = np.intersect1d(written, state.block_ids)
+            if held.size:
+                raise ValueError(f"block_ids: this step writes block {int(held[0])}, which "
+                                 f"running request {req_id!r} holds")
 
     @staticmethod
     def _row(state: _Request) -> SamplingRow:

@@ -8,11 +8,13 @@ vLLM's real Scheduler (through the offline engine) for the write-isolation prope
 from __future__ import annotations
 
 import copy
+import dataclasses
 
 import mlx.core as mx
 import numpy as np
 import pytest
 import torch
+from vllm.config import SchedulerConfig, VllmConfig
 from vllm.sampling_params import SamplingParams
 from vllm.v1.core.sched.output import CachedRequestData, NewRequestData, SchedulerOutput
 from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec
@@ -26,8 +28,8 @@ CONFIG = resolve_config("llama-test")
 VOCAB = CONFIG["vocab_size"]
 
 
-def make_runner() -> VllmModelRunner:
-    runner = VllmModelRunner(build_model(CONFIG, mx.float32, seed=0))
+def make_runner(vllm_config: VllmConfig | None = None) -> VllmModelRunner:
+    runner = VllmModelRunner(build_model(CONFIG, mx.float32, seed=0), vllm_config=vllm_config)
     layers = [f"model.layers.{i}.self_attn.attn" for i in range(CONFIG["num_hidden_layers"])]
     spec = FullAttentionSpec(block_size=BS, num_kv_heads=CONFIG["num_key_value_heads"],
                              head_size=CONFIG["head_dim"], dtype=torch.float32)
@@ -36,15 +38,15 @@ def make_runner() -> VllmModelRunner:
     return runner
 
 
-def new(req_id, prompt, blocks, computed=0) -> NewRequestData:
+def new(req_id, prompt, blocks, computed=0, **params) -> NewRequestData:
     return NewRequestData(req_id=req_id, prompt_token_ids=prompt, mm_features=[],
-                          sampling_params=SamplingParams(temperature=0.0, max_tokens=8),
+                          sampling_params=SamplingParams(temperature=0.0, max_tokens=8, **params),
                           pooling_params=None, block_ids=blocks, num_computed_tokens=computed,
                           lora_request=None)
 
 
-def cached(req_ids, new_blocks, computed) -> CachedRequestData:
-    return CachedRequestData(req_ids=list(req_ids), resumed_req_ids=set(), new_token_ids=[],
+def cached(req_ids, new_blocks, computed, resumed=()) -> CachedRequestData:
+    return CachedRequestData(req_ids=list(req_ids), resumed_req_ids=set(resumed), new_token_ids=[],
                              all_token_ids={}, new_block_ids=list(new_blocks),
                              num_computed_tokens=list(computed),
                              num_output_tokens=[0] * len(req_ids))
@@ -107,7 +109,47 @@ BAD_STEPS = {
     "new block appended past the pool": (
         lambda: step({"b": 10, "a": 1}, [GOOD], cached(["a"], [([NUM_BLOCKS],)], [20])),
         "block_ids"),
+    # 'a' has 21 known tokens, 20 computed by this runner
+    "computed count other than the runner's": (
+        lambda: step({"b": 10, "a": 2}, [GOOD], cached(["a"], [None], [19])),
+        "num_computed_tokens"),
+    "a write into a block another request holds": (
+        lambda: step({"b": 10, "c": 4}, [GOOD, new("c", [5, 6, 7, 8], ([1],))]), "block_ids"),
+    "cached request twice": (
+        lambda: step({"b": 10, "a": 1}, [GOOD], cached(["a", "a"], [None, None], [20, 20])),
+        "scheduled_cached_reqs"),
+    "cached lists of other lengths": (
+        lambda: step({"b": 10, "a": 1}, [GOOD], cached(["a"], [], [20])), "scheduled_cached_reqs"),
+    "new block list not a group list": (
+        lambda: step({"b": 10, "a": 1}, [GOOD], cached(["a"], [0], [20])), "block_ids"),
+    "resumed id not among the cached": (
+        lambda: step({"b": 10, "a": 1}, [GOOD], cached(["a"], [None], [20], resumed=["zz"])),
+        "resumed_req_ids"),
+    "new request with nothing scheduled": (
+        lambda: step({"b": 10}, [GOOD, new("c", [5, 6], ([4],))]), "num_scheduled_tokens"),
+    "total other than the sum": (
+        lambda: dataclasses.replace(step({"b": 10}, [GOOD]), total_num_scheduled_tokens=99),
+        "total_num_scheduled_tokens"),
+    "allowed token past the vocabulary": (
+        lambda: step({"b": 10, "c": 2}, [GOOD, new("c", [5, 6], ([4],), allowed_token_ids=[VOCAB])]),
+        "allowed_token_ids"),
+    "logit bias past the vocabulary": (
+        lambda: step({"b": 10, "c": 2}, [GOOD, new("c", [5, 6], ([4],), logit_bias={VOCAB: 1.0})]),
+        "logit_bias"),
+    "more logprobs than the vocabulary": (
+        lambda: step({"b": 10, "c": 2}, [GOOD, new("c", [5, 6], ([4],), logprobs=VOCAB + 1)]),
+        "logprobs"),
+    "bad word past the vocabulary": (
+        lambda: step({"b": 10, "c": 2}, [GOOD, _with_bad_word(new("c", [5, 6], ([4],)), VOCAB)]),
+        "bad_words_token_ids"),
 }
+
+
+def _with_bad_word(request: NewRequestData, token: int) -> NewRequestData:
+    """bad_words_token_ids is what vLLM's frontend fills in from the tokenizer (a read-only
+    property over this private field)."""
+    request.sampling_params._bad_words_token_ids = [[token]]
+    return request
 
 
 @pytest.mark.parametrize("case", list(BAD_STEPS))
@@ -121,6 +163,17 @@ def test_bad_step_raises_naming_the_field_and_changes_nothing(running, case):
     # and the runner goes on: the same good request alone runs
     out = running.execute_model(step({"b": 10}, [GOOD]))
     assert out.sampled_token_ids == [[out.sampled_token_ids[0][0]]]
+
+
+def test_more_sampling_rows_than_max_num_seqs_are_refused_before_the_forward():
+    runner = make_runner(VllmConfig(scheduler_config=SchedulerConfig(
+        max_num_seqs=2, max_num_batched_tokens=2048, max_model_len=2048,
+        is_encoder_decoder=False)))
+    before = state(runner)
+    with pytest.raises(ValueError, match="max_num_seqs"):
+        runner.execute_model(step({r: 2 for r in "abc"},
+                                  [new(r, [5, 6], ([i + 1],)) for i, r in enumerate("abc")]))
+    assert_same_state(before, state(runner))
 
 
 def test_failed_step_does_not_keep_a_finished_request_away(running):
