@@ -44,7 +44,13 @@ from .kv_cache import PagedKVCache
 from .metadata import BatchMetadata, ScheduledRequest, build_batch_metadata
 from .runner import PagedModelRunner
 from .validate import as_ints
-from .vllm_sampling import BatchSampler, SamplingRow, make_generator, out_of_vocabulary, unsupported_reason
+from .vllm_sampling import (
+    BatchSampler,
+    SamplingRow,
+    make_generator,
+    out_of_vocabulary,
+    unsupported_reason,
+)
 
 TORCH_TO_MLX = {torch.float16: mx.float16, torch.bfloat16: mx.bfloat16, torch.float32: mx.float32}
 
@@ -203,7 +209,8 @@ class VllmModelRunner:
         )
 
     # -- planning (no side effects) -----------------------------------------------------
-    def _plan(self, so: SchedulerOutput) -> tuple[dict[str, _Request], list[str], dict]:
+    def _plan(self, so: SchedulerOutput
+              ) -> tuple[dict[str, _Request], list[str], dict[str, int]]:
         """The request states after this step's changes, as new objects, the scheduled ids
         and each one's computed tokens (the scheduler's count); self is untouched."""
         for field_name in ("scheduled_spec_decode_tokens", "scheduled_encoder_inputs",
@@ -228,9 +235,10 @@ class VllmModelRunner:
             raise ValueError(f"scheduled_cached_reqs: {n} req_ids but "
                              f"{len(cached.new_block_ids)} new_block_ids and "
                              f"{len(cached.num_computed_tokens)} num_computed_tokens")
-        if not set(cached.resumed_req_ids) <= set(cached.req_ids):
-            raise ValueError(f"resumed_req_ids: {sorted(set(cached.resumed_req_ids) - set(cached.req_ids))} "
-                             "are not among scheduled_cached_reqs.req_ids")
+        strays = sorted(set(cached.resumed_req_ids) - set(cached.req_ids))
+        if strays:
+            raise ValueError(f"resumed_req_ids: {strays} are not among "
+                             "scheduled_cached_reqs.req_ids")
         for i, req_id in enumerate(cached.req_ids):
             if req_id not in requests:
                 raise ValueError(f"scheduled_cached_reqs: unknown request id {req_id!r}")
