@@ -127,11 +127,10 @@ class PagedModelRunner:
         if attn.num_blocks > self.kv_cache.num_blocks:
             raise ValueError(f"num_blocks: metadata allows block ids < {attn.num_blocks}, the "
                              f"cache has {self.kv_cache.num_blocks} blocks")
-        ids = meta.input_ids_host
-        if int(ids.min()) < 0 or int(ids.max()) >= self.vocab_size:
-            bad = int(ids.min()) if int(ids.min()) < 0 else int(ids.max())
-            raise ValueError(f"token_ids: {bad} is outside the model's vocabulary of "
-                             f"{self.vocab_size}")
+        low, high = int(meta.input_ids_host.min()), int(meta.input_ids_host.max())
+        if low < 0 or high >= self.vocab_size:
+            raise ValueError(f"token_ids: {low if low < 0 else high} is outside the model's "
+                             f"vocabulary of {self.vocab_size}")
 
     def _slots(self, meta: BatchMetadata) -> Slots:
         """The batch's slots checked against the cache; a batch run again (the same frozen
