@@ -72,9 +72,7 @@ class Lengths:
 
     @classmethod
     def of(cls, cu_seqlens_q: np.ndarray, seq_lens: np.ndarray) -> Lengths:
-        check_lengths(cu_seqlens_q, seq_lens)
-        cu = np.asarray(cu_seqlens_q, dtype=np.int64)
-        lens = np.asarray(seq_lens, dtype=np.int64)
+        cu, lens = check_lengths(cu_seqlens_q, seq_lens)
         return cls(cu, lens, int(cu[-1]), int(lens.max()))
 
 

@@ -48,7 +48,7 @@ from .vllm_sampling import (
     BatchSampler,
     SamplingRow,
     make_generator,
-    out_of_vocabulary,
+    token_id_options,
     unsupported_reason,
 )
 
@@ -225,7 +225,7 @@ class VllmModelRunner:
                 requests[req_id] = dataclasses.replace(requests[req_id], block_ids=())
         computed: dict[str, int] = {}
         for new in so.scheduled_new_reqs:
-            if new.req_id in requests or new.req_id in computed:
+            if new.req_id in requests:
                 raise ValueError(f"scheduled_new_reqs: {new.req_id!r} is already running")
             requests[new.req_id] = self._admit(new)
             computed[new.req_id] = new.num_computed_tokens
@@ -288,8 +288,12 @@ class VllmModelRunner:
                              "supported)")
         if (refused := unsupported_reason(new.sampling_params)) is not None:
             raise ValueError(f"{refused[0]}: request {rid!r}: {refused[1]}")
-        if (bad := out_of_vocabulary(new.sampling_params, self.vocab_size)) is not None:
-            raise ValueError(f"{bad[0]}: request {rid!r}: {bad[1]}")
+        for name, ids in token_id_options(new.sampling_params).items():
+            as_ints(ids, f"{name} ({rid!r})", low=0, high=self.vocab_size - 1)
+        logprobs = new.sampling_params.logprobs
+        if logprobs is not None and logprobs > self.vocab_size:
+            raise ValueError(f"logprobs ({rid!r}): {logprobs} exceeds the vocabulary of "
+                             f"{self.vocab_size}")
         return _Request(tuple(prompt.tolist()), [], self._blocks(new.block_ids, rid),
                         new.sampling_params, make_generator(new.sampling_params),
                         new.num_computed_tokens)

@@ -20,7 +20,6 @@ admission) and the runner (ValueError) ask it, so the two never disagree.
 
 from __future__ import annotations
 
-import numbers
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -54,25 +53,17 @@ def unsupported_reason(params: SamplingParams) -> tuple[str, str] | None:
     return None
 
 
-def out_of_vocabulary(params: SamplingParams, vocab_size: int) -> tuple[str, str] | None:
-    """(parameter, reason) for the first option naming a token id outside the vocabulary, or
-    asking for more logprobs than it has. vLLM's frontend refuses these (SamplingParams.verify
-    and its input checks); a runner called directly answers the same, before the step writes
-    anything (the sampler would fail on them only after the forward)."""
-    ids = {
-        "allowed_token_ids": params.allowed_token_ids or (),
-        "logit_bias": tuple(params.logit_bias or ()),
-        "stop_token_ids": params.stop_token_ids or (),
+def token_id_options(params: SamplingParams) -> dict[str, list]:
+    """The sampling options that name token ids, by parameter. vLLM's frontend bounds each by
+    the vocabulary (SamplingParams.verify and its input checks); the sampler would fail on an
+    id past it only after the forward, so a runner called directly checks them first."""
+    return {
+        "allowed_token_ids": list(params.allowed_token_ids or ()),
+        "logit_bias": list(params.logit_bias or ()),
+        "stop_token_ids": list(params.stop_token_ids or ()),
         "bad_words_token_ids": [t for word in params.bad_words_token_ids or () for t in word],
-        "logprob_token_ids": params.logprob_token_ids or (),
+        "logprob_token_ids": list(params.logprob_token_ids or ()),
     }
-    for name, values in ids.items():
-        for t in values:
-            if isinstance(t, bool) or not isinstance(t, numbers.Integral) or not 0 <= t < vocab_size:
-                return name, f"token id {t!r} is outside the vocabulary of {vocab_size}"
-    if params.logprobs is not None and params.logprobs > vocab_size:
-        return "logprobs", f"{params.logprobs} exceeds the vocabulary of {vocab_size}"
-    return None
 
 
 def make_generator(params: SamplingParams) -> torch.Generator | None:

@@ -36,8 +36,10 @@ def host_ints(values, field: str) -> np.ndarray:
     return arr.astype(np.int64)
 
 
-def check_lengths(cu_seqlens_q: np.ndarray, seq_lens: np.ndarray) -> None:
-    """The host half of the contract (what a plan checks once per forward)."""
+def check_lengths(cu_seqlens_q: np.ndarray,
+                  seq_lens: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """The host half of the contract (what a plan checks once per forward); returns both as
+    int64 arrays."""
     cu_seqlens_q = host_ints(cu_seqlens_q, "cu_seqlens_q")
     seq_lens = host_ints(seq_lens, "seq_lens")
     num_seqs = len(seq_lens)
@@ -49,6 +51,7 @@ def check_lengths(cu_seqlens_q: np.ndarray, seq_lens: np.ndarray) -> None:
         raise ValueError(f"cu_seqlens_q: must start at 0 and grow by >= 1, got {list(cu_seqlens_q)}")
     if (seq_lens < q_lens).any():
         raise ValueError(f"seq_lens: {list(seq_lens)} shorter than the new tokens {list(q_lens)}")
+    return cu_seqlens_q, seq_lens
 
 
 def check_arrays(q: mx.array, k_cache: mx.array, v_cache: mx.array, block_tables: mx.array,
@@ -85,6 +88,5 @@ def check_paged_inputs(
     cu_seqlens_q: np.ndarray, seq_lens: np.ndarray,
 ) -> None:
     """Raise ValueError naming the first input that breaks the contract (no device sync)."""
-    check_lengths(cu_seqlens_q, seq_lens)
-    check_arrays(q, k_cache, v_cache, block_tables, int(cu_seqlens_q[-1]), len(seq_lens),
-                 int(np.max(seq_lens)))
+    cu, lens = check_lengths(cu_seqlens_q, seq_lens)
+    check_arrays(q, k_cache, v_cache, block_tables, int(cu[-1]), len(lens), int(lens.max()))
