@@ -21,13 +21,14 @@ from .metal_paged_attention import MetalPagedAttention
 from .page_gather import PageGather
 from .support import Geometry
 
-SdpaRule = Callable[[np.ndarray, np.ndarray, Geometry], "str | None"]
+SdpaRule = Callable[[np.ndarray, np.ndarray, Geometry], "rules.SdpaPick | None"]
 
 
 @dataclass(frozen=True, eq=False)
 class KernelBackend:
-    """One device's kernels. `prefers_sdpa(cu_seqlens_q, seq_lens, geometry)` returns why
-    gather + SDPA beats the paged kernel for a batch (a measured rule), or None."""
+    """One device's kernels. `prefers_sdpa(cu_seqlens_q, seq_lens, geometry)` returns the
+    sequences for which gather + SDPA beats the paged kernel and why (`rules.SdpaPick`, a
+    measured rule), or None."""
 
     name: str
     attention: CudaPagedAttention | MetalPagedAttention

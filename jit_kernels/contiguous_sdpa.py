@@ -5,7 +5,8 @@ back (what mlx-lm does with its contiguous cache); one with a cached prefix atte
 pages copied out by a gather: a backend's page-gather kernel (one launch for the batch), or
 MLX's own take (`reference.gather_kv`) where no kernel exists. The contract is the reference's
 plus the new rows `k`, `v` [T, Hkv, D], which the cache already holds; the caches may also come
-as stored (`support.as_pages`), which the gather kernel reads with no view op.
+as stored (`support.as_pages`), which the gather kernel reads with no view op. A plan may hold
+only some of a batch's sequences (the dispatcher's mixed path: the paged kernel runs the rest).
 """
 
 from __future__ import annotations
@@ -25,28 +26,45 @@ from .support import Geometry, Lengths, as_pages, check_call
 class SdpaPlan:
     geometry: Geometry
     lengths: Lengths
-    # per sequence: its rows of q (start, end) and its index in the gather's output, or -1
-    # when nothing is cached (it attends over its new rows)
+    # per planned sequence: its rows of q (start, end) and its index in the gather's output, or
+    # -1 when nothing is cached (it attends over its new rows)
     rows: tuple[tuple[int, int, int], ...]
-    gather: GatherPlan  # the sequences with a cached prefix, in batch order
+    gather: GatherPlan  # the planned sequences with a cached prefix, in batch order
+    whole: bool  # one sequence holding every row of q: no slicing (each slice is an op a layer)
 
 
-def plan_sdpa(cu_seqlens_q: np.ndarray, seq_lens: np.ndarray, geometry: Geometry) -> SdpaPlan:
+def plan_sdpa(cu_seqlens_q: np.ndarray, seq_lens: np.ndarray, geometry: Geometry,
+              seqs=None) -> SdpaPlan:
+    """`seqs`: plan only these sequences (sorted batch indices); None plans all."""
     lengths = Lengths.of(cu_seqlens_q, seq_lens)
+    picked = lengths.subset(seqs)
     cu, lens = lengths.cu_seqlens_q.tolist(), lengths.seq_lens.tolist()
-    cached = [s for s in range(len(lens)) if lens[s] > cu[s + 1] - cu[s]]
+    planned = range(len(lens)) if picked is None else picked.tolist()
+    cached = [s for s in planned if lens[s] > cu[s + 1] - cu[s]]
     index = {s: i for i, s in enumerate(cached)}
-    rows = tuple((cu[s], cu[s + 1], index.get(s, -1)) for s in range(len(lens)))
+    rows = tuple((cu[s], cu[s + 1], index.get(s, -1)) for s in planned)
     g = geometry
     return SdpaPlan(g, lengths, rows, plan_gather(lengths.seq_lens, cached, g.block_size,
-                                                  g.num_kv_heads, g.head_dim, g.dtype))
+                                                  g.num_kv_heads, g.head_dim, g.dtype),
+                    whole=rows[0][:2] == (0, cu[-1]))
 
 
 def sdpa_attention(
     q: mx.array, k: mx.array, v: mx.array, k_cache: mx.array, v_cache: mx.array,
     block_tables: mx.array, plan: SdpaPlan, gather: PageGather | None = None,
 ) -> mx.array:
-    """out [T, H, D]; `gather` None copies prefixes with MLX's take. No host sync."""
+    """out [T, H, D]; `gather` None copies prefixes with MLX's take. No host sync. The plan
+    must hold every sequence (a partial plan's rows come from `attend_rows`)."""
+    check_sdpa_call(q, k, v, k_cache, v_cache, block_tables, plan, gather)
+    if sum(end - start for start, end, _ in plan.rows) != q.shape[0]:
+        raise ValueError("plan: sdpa_attention needs a plan of every sequence")
+    return attend(q, k, v, k_cache, v_cache, block_tables, plan, gather)
+
+
+def check_sdpa_call(q: mx.array, k: mx.array, v: mx.array, k_cache: mx.array,
+                    v_cache: mx.array, block_tables: mx.array, plan: SdpaPlan,
+                    gather: PageGather | None = None) -> None:
+    """The SDPA path's entry check: the contract's shapes, the new rows, the gather's pages."""
     pages = as_pages(k_cache, plan.geometry)
     check_call("sdpa", plan.geometry, q, pages, as_pages(v_cache, plan.geometry), block_tables,
                plan.lengths)
@@ -55,7 +73,6 @@ def sdpa_attention(
         raise ValueError(f"k, v: new rows must be {want}, got {k.shape} and {v.shape}")
     if gather is not None and plan.gather.seqs:
         gather.check(k_cache, v_cache, plan.gather)
-    return attend(q, k, v, k_cache, v_cache, block_tables, plan, gather)
 
 
 def attend(
@@ -64,6 +81,27 @@ def attend(
 ) -> mx.array:
     """`sdpa_attention` without its entry check, for callers that validated the plan against
     these arrays already (a forward calls it once per layer: every op here counts)."""
+    outs = attend_rows(q, k, v, k_cache, v_cache, block_tables, plan, gather)
+    return outs[0] if plan.whole else mx.concatenate(outs, axis=0)
+
+
+def attend_into(
+    out: mx.array, q: mx.array, k: mx.array, v: mx.array, k_cache: mx.array, v_cache: mx.array,
+    block_tables: mx.array, plan: SdpaPlan, gather: PageGather | None = None,
+) -> mx.array:
+    """`out` [T, H, D] with each planned sequence's rows overwritten by its SDPA output (in
+    place when nothing else holds `out`, as a kernel's fresh output)."""
+    for (start, end, _), rows in zip(plan.rows, attend_rows(q, k, v, k_cache, v_cache,
+                                                            block_tables, plan, gather)):
+        out[start:end] = rows
+    return out
+
+
+def attend_rows(
+    q: mx.array, k: mx.array, v: mx.array, k_cache: mx.array, v_cache: mx.array,
+    block_tables: mx.array, plan: SdpaPlan, gather: PageGather | None = None,
+) -> list[mx.array]:
+    """Each planned sequence's output [end - start, H, D], in the order of `plan.rows`."""
     g, geometry = plan.gather, plan.geometry
     if not g.seqs:
         gathered = []
@@ -73,16 +111,15 @@ def attend(
                     for s, n in zip(g.seqs, g.seq_lens)]
     else:
         gathered = gather.launch(k_cache, v_cache, block_tables, g)
-    whole = len(plan.rows) == 1  # one sequence: no slicing (each slice is an op per layer)
     outs = []
     for start, end, i in plan.rows:
         if i >= 0:
             ks, vs = gathered[i]
         else:  # in the cache's dtype, so both sources give the same numbers
-            ks, vs = (x if whole else x[start:end] for x in (k, v))
+            ks, vs = (x if plan.whole else x[start:end] for x in (k, v))
             if ks.dtype != geometry.dtype:
                 ks, vs = ks.astype(geometry.dtype), vs.astype(geometry.dtype)
             ks, vs = reference.heads_first(ks), reference.heads_first(vs)
-        qs = reference.heads_first(q if whole else q[start:end])
+        qs = reference.heads_first(q if plan.whole else q[start:end])
         outs.append(reference.tokens_first(reference.sdpa(qs, ks, vs, geometry.scale)))
-    return outs[0] if whole else mx.concatenate(outs, axis=0)
+    return outs

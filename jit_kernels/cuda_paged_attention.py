@@ -372,17 +372,19 @@ class CudaPagedAttention(support.PagedAttentionKernel):
     def __init__(self, cuda_kernel=None):
         super().__init__(cuda_kernel or mx.fast.cuda_kernel)
 
-    def plan(self, cu_seqlens_q: np.ndarray, seq_lens: np.ndarray,
-             geometry: Geometry) -> CudaAttentionPlan:
+    def plan(self, cu_seqlens_q: np.ndarray, seq_lens: np.ndarray, geometry: Geometry,
+             seqs=None) -> CudaAttentionPlan:
+        """`seqs`: plan only these sequences (see `plan.build_tile_plan`); None plans all."""
         lengths = self._lengths(cu_seqlens_q, seq_lens, geometry)
+        seqs = lengths.subset(seqs)
         group, num_kv_heads = geometry.group, geometry.num_kv_heads
-        block_m = choose_block_m(lengths.num_tokens, group, num_kv_heads)
+        block_m = choose_block_m(lengths.tokens_of(seqs), group, num_kv_heads)
         # 128-row plans are chosen only when they fill the GPU: never split them
         tiles = tile_plan.build_tile_plan(lengths.cu_seqlens_q, lengths.seq_lens, group,
                                           num_kv_heads, block_m, BLOCK_N, NUM_SMS,
                                           ctas_per_sm=self.split_items_per_sm,
                                           min_chunk=self.split_min_kv_tiles,
-                                          min_items=0 if block_m == 128 else None)
+                                          min_items=0 if block_m == 128 else None, seqs=seqs)
         g = geometry
         slots = max(tiles.num_slots, 1)  # outputs cannot be empty; unused when nothing is split
         launch = dict(

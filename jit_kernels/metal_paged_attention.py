@@ -268,12 +268,14 @@ class MetalPagedAttention(support.PagedAttentionKernel):
     def __init__(self, metal_kernel=None):
         super().__init__(metal_kernel or mx.fast.metal_kernel)
 
-    def plan(self, cu_seqlens_q: np.ndarray, seq_lens: np.ndarray,
-             geometry: Geometry) -> MetalAttentionPlan:
+    def plan(self, cu_seqlens_q: np.ndarray, seq_lens: np.ndarray, geometry: Geometry,
+             seqs=None) -> MetalAttentionPlan:
+        """`seqs`: plan only these sequences (see `plan.build_tile_plan`); None plans all."""
         lengths = self._lengths(cu_seqlens_q, seq_lens, geometry)
         tiles = tile_plan.build_tile_plan(lengths.cu_seqlens_q, lengths.seq_lens, geometry.group,
                                           geometry.num_kv_heads, BLOCK_Q,
-                                          BLOCK_N[geometry.head_dim], GPU_CORES)
+                                          BLOCK_N[geometry.head_dim], GPU_CORES,
+                                          seqs=lengths.subset(seqs))
         g = geometry
         out_shape = (lengths.num_tokens, g.num_heads, g.head_dim)
         slots = max(tiles.num_slots, 1)  # outputs cannot be empty; unused when nothing is split

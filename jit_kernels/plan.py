@@ -66,12 +66,14 @@ class TilePlan:
 
 
 def _query_tiles(cu_seqlens_q: np.ndarray, seq_lens: np.ndarray, group: int, num_kv_heads: int,
-                 block_m: int):
-    """Columns SEQ..KV_HEAD of every (sequence, q tile, kv head), kv heads innermost."""
+                 block_m: int, seqs: np.ndarray | None):
+    """Columns SEQ..KV_HEAD of every (sequence in seqs, q tile, kv head), kv heads innermost."""
     tokens_per_tile = block_m // group
     q_lens = np.diff(cu_seqlens_q).astype(np.int64)
     context_lens = np.asarray(seq_lens, dtype=np.int64) - q_lens
     tiles_per_seq = -(-q_lens // tokens_per_tile)
+    if seqs is not None:
+        tiles_per_seq[np.setdiff1d(np.arange(len(q_lens)), seqs)] = 0
     seq = np.repeat(np.arange(len(q_lens)), tiles_per_seq)
     # index of each tile inside its sequence: 0, 1, .. per sequence
     first = np.repeat(np.cumsum(tiles_per_seq) - tiles_per_seq, tiles_per_seq)
@@ -105,14 +107,17 @@ def build_tile_plan(
     ctas_per_sm: int = 2,
     min_chunk: int = 2,
     min_items: int | None = None,
+    seqs: np.ndarray | None = None,
 ) -> TilePlan:
     """The work list (and merge list when KV is split) of one forward; see the module doc.
 
     KV is split when the plan has fewer than min_items (default num_sms: one per core)
     query tiles, into about num_sms * ctas_per_sm items of >= min_chunk kv tiles each.
+    `seqs` (sorted batch indices) plans only those sequences: the others' rows of `out` are
+    left unwritten, for a caller that computes them another way.
     """
     (seq, tok0, ntok, pos0), kv_head = _query_tiles(cu_seqlens_q, seq_lens, group, num_kv_heads,
-                                                    block_m)
+                                                    block_m, seqs)
     kv_end = pos0 + ntok
     kv_tiles = -(-kv_end // block_n)
     min_items = num_sms if min_items is None else min_items

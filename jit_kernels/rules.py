@@ -1,13 +1,18 @@
-"""Measured rules: when gather + cuDNN/MLX SDPA beats a backend's paged kernel for a batch.
+"""Measured rules: which sequences of a batch gather + cuDNN/MLX SDPA runs faster than a
+backend's paged kernel.
 
-Both paths compute the same function; the rule only picks the faster one. A sequence with no
-cached prefix costs the SDPA path no gather at all (it attends over its own new rows).
+Both paths compute the same function; a rule only picks the faster one, per sequence. A
+sequence with no cached prefix costs the SDPA path no gather at all (it attends over its own
+new rows). A rule returns an `SdpaPick` (the sequences, and why) or None when it picks none;
+the dispatcher runs the batch on SDPA when every sequence is picked, on the kernel when none
+is, and otherwise both: the kernel over the rest in one launch, SDPA per picked sequence.
 """
 
 from __future__ import annotations
 
 import os
 from collections import OrderedDict
+from dataclasses import dataclass
 
 import numpy as np
 
@@ -25,9 +30,9 @@ from .support import Geometry
 # the prefix (the gather costs less than the FLOPs it saves); at Lq <= 64 the kernel's single
 # launch and split KV win or tie. End to end (bench/test_bench_prefill.py, docs/h200/prefill.json)
 # a 416-token suffix over 3680 cached tokens also ran no slower on SDPA (8B shape: 17.4 vs
-# 20.7 ms); 256 sits between the measured crossover points. SDPA runs sequence by sequence, so a
-# batch goes to it only when every sequence is such a prefill: decode rows and short suffixes
-# would cost it a launch each (32 decode rows with no context: SDPA 672 us, kernel 23 us).
+# 20.7 ms); 256 sits between the measured crossover points. SDPA runs sequence by sequence:
+# decode rows and short suffixes stay on the kernel, which takes them all in one launch (32
+# decode rows with no context: SDPA 672 us, kernel 23 us).
 CUDA_SDPA_MIN_Q = 256
 # MLX's own cache of cuDNN SDPA graphs (mlx/backend/cuda/scaled_dot_product_attention.cpp).
 SDPA_CACHE_ENV, DEFAULT_SDPA_CACHE_SIZE = "MLX_CUDA_SDPA_CACHE_SIZE", 256
@@ -35,16 +40,26 @@ SDPA_CACHE_ENV, DEFAULT_SDPA_CACHE_SIZE = "MLX_CUDA_SDPA_CACHE_SIZE", 256
 METAL_SDPA_MIN_Q = 512
 
 
-def _every_q_len_at_least(cu_seqlens_q: np.ndarray, min_q: int) -> bool:
-    return bool((np.diff(cu_seqlens_q) >= min_q).all())
+@dataclass(frozen=True)
+class SdpaPick:
+    """The sequences of a batch (increasing batch indices) that SDPA runs, and why."""
+
+    seqs: tuple[int, ...]
+    reason: str
+
+
+def _prefills_of_at_least(cu_seqlens_q: np.ndarray, min_q: int) -> np.ndarray:
+    return np.flatnonzero(np.diff(cu_seqlens_q) >= min_q)
 
 
 def cuda_prefers_sdpa(cu_seqlens_q: np.ndarray, seq_lens: np.ndarray,
-                      geometry: Geometry) -> str | None:
-    if _every_q_len_at_least(cu_seqlens_q, CUDA_SDPA_MIN_Q):
-        return (f"every sequence prefills >= {CUDA_SDPA_MIN_Q} tokens: SDPA over its new K/V "
-                "or its gathered pages measured faster on the H200")
-    return None
+                      geometry: Geometry) -> SdpaPick | None:
+    seqs = _prefills_of_at_least(cu_seqlens_q, CUDA_SDPA_MIN_Q)
+    if not len(seqs):
+        return None
+    return SdpaPick(tuple(seqs.tolist()),
+                    f"prefills of >= {CUDA_SDPA_MIN_Q} tokens: SDPA over their new K/V or "
+                    "their gathered pages measured faster on the H200")
 
 
 def sdpa_cache_size() -> int:
@@ -66,8 +81,8 @@ class CudaSdpaRule:
     Serving meets new (query, key) lengths at almost every step, and a 1.1B model's whole
     2048-token step takes ~12 ms, so under the length rule alone a server stalled for a graph
     build on most steps. The first request of a shape therefore runs the paged kernel, which
-    compiles once per variant; a shape that comes again, and so is likely to keep coming, goes
-    to SDPA and pays for its graph once. (With every graph built, SDPA and the kernel took
+    compiles once per variant; a sequence whose shape comes again, and so is likely to keep
+    coming, goes to SDPA and pays for its graph once. (With every graph built, SDPA and the kernel took
     about the same time over a chunked prefill of 32 prompts: 467 vs 448 ms.)
 
     MLX keeps the graphs in a least-recently-used cache of MLX_CUDA_SDPA_CACHE_SIZE shapes
@@ -85,26 +100,32 @@ class CudaSdpaRule:
         self._asked: OrderedDict[tuple, None] = OrderedDict()
 
     def __call__(self, cu_seqlens_q: np.ndarray, seq_lens: np.ndarray,
-                 geometry: Geometry) -> str | None:
-        reason = cuda_prefers_sdpa(cu_seqlens_q, seq_lens, geometry)
-        if reason is None:
+                 geometry: Geometry) -> SdpaPick | None:
+        pick = cuda_prefers_sdpa(cu_seqlens_q, seq_lens, geometry)
+        if pick is None:
             return None
-        g = geometry
-        shapes = {(g.num_heads, g.num_kv_heads, g.head_dim, g.dtype, int(q), int(k))
-                  for q, k in zip(np.diff(cu_seqlens_q), seq_lens)}
-        new = [s for s in shapes if s not in self._asked]
-        for shape in shapes:
+        g, q_lens = geometry, np.diff(cu_seqlens_q)
+        shapes = {s: (g.num_heads, g.num_kv_heads, g.head_dim, g.dtype, int(q_lens[s]),
+                      int(seq_lens[s])) for s in pick.seqs}
+        # asked before this batch: two new sequences of one shape both build no graph yet
+        seen = [s for s in pick.seqs if shapes[s] in self._asked]
+        for shape in shapes.values():
             self._asked[shape] = None
             self._asked.move_to_end(shape)
         while len(self._asked) > self.capacity:
             self._asked.popitem(last=False)
-        return None if new else f"{reason}, at shapes asked for before (cuDNN graphs built)"
+        if not seen:
+            return None
+        return SdpaPick(tuple(seen), f"{pick.reason}, at shapes asked for before (cuDNN graphs "
+                                     "built)")
 
 
 def metal_prefers_sdpa(cu_seqlens_q: np.ndarray, seq_lens: np.ndarray,
-                       geometry: Geometry) -> str | None:
-    uncached = bool((np.asarray(seq_lens) == np.diff(cu_seqlens_q)).all())
-    if uncached and _every_q_len_at_least(cu_seqlens_q, METAL_SDPA_MIN_Q):
-        return (f"no cached prefix and every sequence prefills >= {METAL_SDPA_MIN_Q} tokens: "
-                "SDPA over the new K/V, nothing read back (rule unmeasured on Apple GPUs)")
-    return None
+                       geometry: Geometry) -> SdpaPick | None:
+    q_lens = np.diff(cu_seqlens_q)
+    seqs = np.flatnonzero((np.asarray(seq_lens) == q_lens) & (q_lens >= METAL_SDPA_MIN_Q))
+    if not len(seqs):
+        return None
+    return SdpaPick(tuple(seqs.tolist()),
+                    f"no cached prefix and >= {METAL_SDPA_MIN_Q} new tokens: SDPA over the new "
+                    "K/V, nothing read back (rule unmeasured on Apple GPUs)")

@@ -75,6 +75,23 @@ class Lengths:
         cu, lens = check_lengths(cu_seqlens_q, seq_lens)
         return cls(cu, lens, int(cu[-1]), int(lens.max()))
 
+    def subset(self, seqs) -> np.ndarray | None:
+        """`seqs` (a plan's sequences; None: all of them) as sorted int64 batch indices."""
+        if seqs is None:
+            return None
+        picked = np.asarray(seqs)
+        n = len(self.seq_lens)
+        if (picked.ndim != 1 or not len(picked) or picked.dtype.kind not in "iu"
+                or (np.diff(picked) <= 0).any() or picked[0] < 0 or picked[-1] >= n):
+            raise ValueError(f"seqs: expected increasing batch indices in [0, {n - 1}], "
+                             f"got {seqs!r}")
+        return picked.astype(np.int64)
+
+    def tokens_of(self, seqs: np.ndarray | None) -> int:
+        if seqs is None:
+            return self.num_tokens
+        return int(np.diff(self.cu_seqlens_q)[seqs].sum())
+
 
 def as_pages(cache: mx.array, geometry: Geometry) -> mx.array:
     """A cache array as [num_blocks, BS, Hkv, D] of the geometry's dtype, as a view of its

@@ -7,7 +7,10 @@ Paths:
   reference  MLX gather + SDPA per sequence (`reference.paged_attention`), the oracle;
   sdpa       SDPA per sequence over the new K/V when nothing is cached, else over pages copied
              by the backend's page-gather kernel (MLX's take where there is none);
-  cuda/metal the backend's paged kernel: one launch for the whole batch.
+  cuda/metal the backend's paged kernel: one launch for the whole batch;
+  mixed      (auto only) both, when the backend's rule picks SDPA for some sequences of a
+             batch only (long prefills next to decode rows): one kernel launch for the rest,
+             whose rows of the output the SDPA sequences' rows then overwrite.
 
 A batch planned again (the same `AttentionMetadata` object, e.g. a benchmark repeating one
 step) reuses the plan of the path chosen: its device arrays are written by the host once. On a
@@ -32,13 +35,13 @@ import logging
 import os
 from collections import Counter
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import mlx.core as mx
 
 import reference
 from jit_kernels import KernelBackend, available_backends
-from jit_kernels.contiguous_sdpa import attend, plan_sdpa, sdpa_attention
+from jit_kernels.contiguous_sdpa import attend, attend_into, check_sdpa_call, plan_sdpa, sdpa_attention
 from jit_kernels.support import Geometry, as_pages
 
 from . import canary
@@ -59,6 +62,14 @@ class Choice:
     path: str
     reason: str
     backend: str | None = None  # whose kernel runs: the paged kernel's, or the sdpa path's gather
+    sdpa_seqs: tuple[int, ...] = ()  # mixed: the sequences SDPA runs (the kernel the others)
+
+    def components(self) -> tuple[str, ...]:
+        """The backend's kernels this choice runs, each checked on first use."""
+        if self.backend is None:
+            return ()
+        return {"sdpa": ("gather",), "mixed": ("attention", "gather")}.get(self.path,
+                                                                           ("attention",))
 
 
 class ForwardAttention:
@@ -119,10 +130,14 @@ class Dispatcher:
         why_not = backend.attention.unsupported_reason(g)
         if why_not:
             return Choice("sdpa", f"{name} kernel: {why_not}", self._gather_backend(g))
-        prefers = backend.prefers_sdpa(meta.cu_seqlens_q_host, meta.seq_lens_host, g)
-        if prefers:
-            return Choice("sdpa", prefers, self._gather_backend(g))
-        return Choice(name, "kernel supports the call and the measured rule picks it", name)
+        pick = backend.prefers_sdpa(meta.cu_seqlens_q_host, meta.seq_lens_host, g)
+        if pick is None:
+            return Choice(name, "kernel supports the call and the measured rule picks it", name)
+        if len(pick.seqs) == len(meta.seq_lens_host):
+            return Choice("sdpa", pick.reason, self._gather_backend(g))
+        # the gather copies any row the kernel reads (16-byte multiples): it runs where it does
+        return Choice("mixed", f"{pick.reason}; the {name} kernel runs the others", name,
+                      pick.seqs)
 
     def _gather_backend(self, g: Geometry) -> str | None:
         for name, backend in self.backends.items():
@@ -136,7 +151,9 @@ class Dispatcher:
             raise ValueError(f"geometry: block size {g.block_size} but the metadata was built "
                              f"for {meta.block_size}")
         choice = self._validated(self.choose(meta, g), g)
-        key = (choice, g.variant(), "decode" if meta.max_q_len == 1 else "prefill")
+        # logged once per kind of choice: a mixed batch's sequences change from step to step
+        key = (replace(choice, sdpa_seqs=()), g.variant(),
+               "decode" if meta.max_q_len == 1 else "prefill")
         if key not in self._logged:
             self._logged.add(key)
             log.info("paged attention: %s (%s) for dtype=%s head_dim=%d group=%d block=%d %s",
@@ -148,26 +165,26 @@ class Dispatcher:
         return ForwardAttention(choice, *self._planned[1], self.counts)
 
     def _validated(self, choice: Choice, g: Geometry) -> Choice:
-        if choice.backend is None:
-            return choice
-        backend = self.backends[choice.backend]
-        component = "attention" if choice.path == choice.backend else "gather"
-        key = (backend, component, g.variant())
-        if key not in _VERDICTS:
-            check = canary.check_attention if component == "attention" else canary.check_gather
-            _VERDICTS[key] = check(backend, g)
-            if _VERDICTS[key]:
-                log.warning("paged attention: %s %s kernel for dtype=%s head_dim=%d group=%d "
-                            "block=%d failed its first-use check (%s); using the reference",
-                            choice.backend, component, *g.variant(), _VERDICTS[key])
-        why = _VERDICTS[key]
-        if why is None:
-            return choice
-        if self.strict or self.path != "auto":
-            raise RuntimeError(f"{choice.backend} {component} kernel for {g.variant()} failed "
-                               f"its first-use check: {why}")
-        return Choice("reference", f"{choice.backend} {component} kernel failed its first-use "
-                                   f"check: {why}")
+        for component in choice.components():
+            backend = self.backends[choice.backend]
+            key = (backend, component, g.variant())
+            if key not in _VERDICTS:
+                check = canary.check_attention if component == "attention" else \
+                    canary.check_gather
+                _VERDICTS[key] = check(backend, g)
+                if _VERDICTS[key]:
+                    log.warning("paged attention: %s %s kernel for dtype=%s head_dim=%d group=%d "
+                                "block=%d failed its first-use check (%s); using the reference",
+                                choice.backend, component, *g.variant(), _VERDICTS[key])
+            why = _VERDICTS[key]
+            if why is None:
+                continue
+            if self.strict or self.path != "auto":
+                raise RuntimeError(f"{choice.backend} {component} kernel for {g.variant()} "
+                                   f"failed its first-use check: {why}")
+            return Choice("reference", f"{choice.backend} {component} kernel failed its "
+                                       f"first-use check: {why}")
+        return choice
 
     def _runner(self, choice: Choice, meta: AttentionMetadata, g: Geometry) -> tuple:
         """(checked, unchecked) calls of the chosen path, planned for this forward."""
@@ -183,6 +200,18 @@ class Dispatcher:
             return (lambda q, k, v, kc, vc: sdpa_attention(q, k, v, kc, vc, tables, plan, gather),
                     lambda q, k, v, kc, vc: attend(q, k, v, kc, vc, tables, plan, gather))
         kernel = self.backends[choice.backend].attention
+        if choice.path == "mixed":
+            picked = set(choice.sdpa_seqs)
+            plan = kernel.plan(cu, lens, g, seqs=[s for s in range(len(lens)) if s not in picked])
+            sdpa = plan_sdpa(cu, lens, g, seqs=choice.sdpa_seqs)
+            gather = self.backends[choice.backend].gather
+
+            def checked(q, k, v, kc, vc):
+                out = kernel(q, as_pages(kc, g), as_pages(vc, g), tables, plan)
+                check_sdpa_call(q, k, v, kc, vc, tables, sdpa, gather)
+                return attend_into(out, q, k, v, kc, vc, tables, sdpa, gather)
+            return checked, lambda q, k, v, kc, vc: attend_into(
+                kernel.launch(q, kc, vc, tables, plan), q, k, v, kc, vc, tables, sdpa, gather)
         plan = kernel.plan(cu, lens, g)
         # the checked call sees the caches as pages; the launches after it take them as stored
         return (lambda q, k, v, kc, vc: kernel(q, as_pages(kc, g), as_pages(vc, g), tables, plan),

@@ -6,7 +6,7 @@ compile, which the first-use check must catch.
 """
 
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import mlx.core as mx
 import numpy as np
@@ -14,6 +14,7 @@ import pytest
 
 import reference
 from jit_kernels import KernelBackend
+from jit_kernels.rules import SdpaPick
 from jit_kernels.support import Geometry
 from paged_prefix import dispatch
 from paged_prefix.dispatch import ENV_VAR, Dispatcher
@@ -34,15 +35,23 @@ class FakeAttention:
     def unsupported_reason(self, g):
         return None if g.head_dim == 64 else f"head_dim {g.head_dim}"
 
-    def plan(self, cu, lens, g):
-        return (cu, lens, g.scale)
+    def plan(self, cu, lens, g, seqs=None):
+        return (cu, lens, g.scale), seqs
 
     def __call__(self, q, k_cache, v_cache, tables, plan):
         self.calls += 1
         if self.fails:
             raise RuntimeError("error: expected ';' (a compile error)")
-        out = reference.paged_attention(q, k_cache, v_cache, tables, *plan)
+        (cu, lens, scale), seqs = plan
+        out = reference.paged_attention(q, k_cache, v_cache, tables, cu, lens, scale)
+        if seqs is not None:  # as the kernels: rows of sequences not planned stay unwritten
+            planned = np.zeros(q.shape[0], dtype=bool)
+            for s in seqs:
+                planned[cu[s]:cu[s + 1]] = True
+            out = mx.where(mx.array(planned)[:, None, None], out, float("nan"))
         return out * (1 + self.error)
+
+    launch = __call__
 
 
 class FakeGather:
@@ -99,7 +108,7 @@ def test_auto_takes_the_kernel_when_it_supports_the_call():
 
 
 def test_auto_follows_the_backends_rule_and_support():
-    rule = fake_backend(rule=lambda cu, lens, g: "measured faster")
+    rule = fake_backend(rule=lambda cu, lens, g: SdpaPick((0, 1), "measured faster"))
     choice = run(Dispatcher("auto", backends={"fake": rule}, strict=True))
     assert (choice.path, choice.reason, choice.backend) == ("sdpa", "measured faster", "fake")
     d = Dispatcher("auto", backends={"fake": fake_backend()}, strict=True)
@@ -109,12 +118,15 @@ def test_auto_follows_the_backends_rule_and_support():
     assert d.last.path == "sdpa" and "head_dim 128" in d.last.reason
 
 
+@dataclass
 class CountingAttention(FakeAttention):
-    plans = 0
+    plans: int = 0
+    planned: list = field(default_factory=list)  # each plan's sequences (None: all)
 
-    def plan(self, cu, lens, g):
+    def plan(self, cu, lens, g, seqs=None):
         self.plans += 1
-        return super().plan(cu, lens, g)
+        self.planned.append(None if seqs is None else list(seqs))
+        return super().plan(cu, lens, g, seqs)
 
 
 def test_a_batch_planned_again_reuses_its_plan_per_chosen_path():
@@ -127,7 +139,7 @@ def test_a_batch_planned_again_reuses_its_plan_per_chosen_path():
         key = tuple(np.diff(cu))
         seen = key in asked
         asked.add(key)
-        return "asked before" if seen else None
+        return SdpaPick(tuple(range(len(lens))), "asked before") if seen else None
     attention = CountingAttention()
     d = Dispatcher("auto", backends={"fake": KernelBackend("fake", attention, FakeGather(),
                                                            second_time_sdpa)}, strict=True)
@@ -144,6 +156,54 @@ def test_a_batch_planned_again_reuses_its_plan_per_chosen_path():
     again = build_attention_metadata([5, 1], [13, 30], c.pages, 16, c.num_blocks)
     assert d.plan(again, GEOMETRY)._unchecked is not sdpa[0]._unchecked
     assert attention.plans == 2
+
+
+def pick_long(cu, lens, g):
+    """A rule that sends every prefill of >= 8 tokens to SDPA (CUDA's, at a small size)."""
+    seqs = tuple(int(s) for s in np.flatnonzero(np.diff(cu) >= 8))
+    return SdpaPick(seqs, "long prefills") if seqs else None
+
+
+@pytest.mark.parametrize("q_lens,ctx,sdpa_seqs", [
+    ([9, 1, 3], [20, 40, 0], (0,)),        # a long suffix over a prefix beside a decode row
+    ([1, 12, 2, 8], [7, 0, 33, 16], (1, 3)),  # one fresh, one cached; picked rows not first
+    ([3, 30], [50, 5], (1,)),              # the picked sequence holds the last rows
+])
+def test_auto_mixes_sdpa_and_the_kernel_when_the_rule_picks_some_sequences(q_lens, ctx,
+                                                                           sdpa_seqs):
+    """The kernel plans only the other sequences (the fake leaves the rest NaN, as the real
+    kernels leave them unwritten); SDPA's rows overwrite them: the oracle holds everywhere."""
+    backend = KernelBackend("fake", CountingAttention(), FakeGather(), pick_long)
+    d = Dispatcher("auto", backends={"fake": backend}, strict=True)
+    choice = run(d, q_lens, ctx)
+    assert (choice.path, choice.backend, choice.sdpa_seqs) == ("mixed", "fake", sdpa_seqs)
+    assert "long prefills" in choice.reason and d.counts == {"mixed": 1}
+    assert choice.components() == ("attention", "gather")
+    # the canary planned the whole batch; the forward planned the others only
+    assert backend.attention.planned[-1] == [s for s in range(len(q_lens)) if s not in sdpa_seqs]
+
+
+def test_mixed_path_layers_after_the_first_take_the_unchecked_launch():
+    backend = KernelBackend("fake", CountingAttention(), FakeGather(), pick_long)
+    d = Dispatcher("auto", backends={"fake": backend}, strict=True)
+    c = PagedCase([9, 1], [20, 40], 8, 2, 64, 16, mx.float16, seed=3)
+    meta = build_attention_metadata([9, 1], [20, 40], c.pages, 16, c.num_blocks)
+    attention = d.plan(meta, GEOMETRY)
+    args = (c.q, c.k_new, c.v_new, c.k_cache, c.v_cache)
+    for _ in range(3):
+        assert_close(attention(*args), c.oracle(0.125), mx.float16)
+    assert d.counts == {"mixed": 3}
+    with pytest.raises(ValueError, match="k, v"):  # the first call of a forward checks
+        d.plan(build_attention_metadata([9, 1], [20, 40], c.pages, 16, c.num_blocks),
+               GEOMETRY)(c.q, c.k_new[:3], c.v_new, c.k_cache, c.v_cache)
+
+
+def test_mixed_path_canary_checks_both_kernels(caplog):
+    backend = KernelBackend("fake", FakeAttention(error=0.02), FakeGather(), pick_long)
+    d = Dispatcher("auto", backends={"fake": backend}, strict=False)
+    with caplog.at_level(logging.WARNING, logger="paged_prefix.dispatch"):
+        choice = run(d, [9, 1], [20, 40])
+    assert choice.path == "reference" and "attention kernel failed" in choice.reason
 
 
 @pytest.mark.parametrize("broken", [dict(error=0.02), dict(fails=True)],
@@ -199,7 +259,7 @@ def test_the_dense_oracle_sees_the_fake_error():
     """The fake's 2% error is real: the per-element check catches it on its own."""
     c = PagedCase([5, 1], [13, 30], 8, 2, 64, 16, mx.float16)
     out = FakeAttention(error=0.02)(c.q, c.k_cache, c.v_cache, c.block_tables,
-                                    (c.cu_seqlens_q, c.seq_lens, 0.125))
+                                    ((c.cu_seqlens_q, c.seq_lens, 0.125), None))
     with pytest.raises(AssertionError):
         assert_close(out, c.oracle(0.125), mx.float16)
     assert np.isfinite(np.array(out.astype(mx.float32))).all()

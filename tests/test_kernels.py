@@ -17,7 +17,7 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from jit_kernels import available_backends, cuda_backend, metal_backend, rules
+from jit_kernels import KernelBackend, available_backends, cuda_backend, metal_backend, rules
 from jit_kernels import cuda_paged_attention as cuda_attention
 from jit_kernels import plan as tile_plan
 from jit_kernels.contiguous_sdpa import plan_sdpa, sdpa_attention
@@ -287,25 +287,110 @@ def test_plan_covers_every_row_and_key_once(q_lens, ctx_lens, group, num_sms):
                                rtol=1e-9, atol=1e-12)
 
 
+@pytest.mark.parametrize("seqs", [[0], [1, 2], [0, 2]])
+def test_plan_of_some_sequences_covers_theirs_only(seqs):
+    """A plan of some sequences (the mixed path's kernel half): the emulated work list gives
+    the oracle on their rows and never writes the others'."""
+    group, block_m, block_n = 2, 16, 16
+    c = PagedCase([5, 1, 37], [13, 60, 0], 2 * group, 2, 8, 8, mx.float32)
+    tiles = tile_plan.build_tile_plan(c.cu_seqlens_q, c.seq_lens, group, 2, block_m, block_n,
+                                      num_sms=132, seqs=np.array(seqs))
+    assert sorted(set(tiles.work_host[:, tile_plan.SEQ].tolist())) == seqs
+    got = emulate_plan(c, 0.3, group, tiles, block_m)
+    mine = np.zeros(c.q.shape[0], dtype=bool)
+    for s in seqs:
+        mine[c.cu_seqlens_q[s]:c.cu_seqlens_q[s + 1]] = True
+    want = oracle64(c.q, c.k_seqs, c.v_seqs, c.cu_seqlens_q, 0.3)
+    np.testing.assert_allclose(got[mine], want[mine], rtol=1e-9, atol=1e-12)
+    assert np.isnan(got[~mine]).all()  # emulate_plan's output starts NaN: never written
+
+
+@pytest.mark.parametrize("bad", [[], [2, 1], [0, 0], [3], [-1], [0.5], [[0]]])
+def test_plan_refuses_bad_sequence_lists(bad):
+    c = PagedCase([5, 1, 37], [13, 60, 0], 4, 2, 64, 16, mx.bfloat16)
+    g = Geometry(4, 2, 64, 16, mx.bfloat16, 0.125)
+    for attention in (cuda_attention.CudaPagedAttention(lambda **_: None),
+                      metal_backend(lambda **_: None).attention):
+        with pytest.raises(ValueError, match="seqs"):
+            attention.plan(c.cu_seqlens_q, c.seq_lens, g, seqs=bad)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_kernel_plan_of_some_sequences(backend):
+    """The kernel half of a mixed batch: the planned sequences' rows match the oracle (split
+    KV included); the others' rows are left for the caller."""
+    c = PagedCase([9, 1, 37, 1], [40, 998, 0, 16], 8, 2, 64, 16, mx.bfloat16, seed=5)
+    g = Geometry(8, 2, 64, 16, mx.bfloat16, 0.125)
+    attention = get_backend(backend).attention
+    seqs = [1, 3]
+    plan = attention.plan(c.cu_seqlens_q, c.seq_lens, g, seqs=seqs)
+    out = np.array(attention(c.q, c.k_cache, c.v_cache, c.block_tables, plan).astype(mx.float32))
+    want = c.oracle(g.scale)
+    for s in seqs:
+        rows = slice(int(c.cu_seqlens_q[s]), int(c.cu_seqlens_q[s + 1]))
+        assert_close(mx.array(out[rows]), want[rows], mx.bfloat16, f"{backend} seq {s}")
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_dispatcher_mixes_sdpa_and_the_kernel(backend, monkeypatch):
+    """A long prompt and a long suffix beside decode rows: the rule picks SDPA for those two
+    only (one over its new rows, one over the gather kernel's pages), the kernel runs the
+    decode rows (split KV), and the batch matches the oracle, first call and later layers'."""
+    from paged_prefix import dispatch
+    from paged_prefix.metadata import build_attention_metadata
+
+    monkeypatch.setattr(dispatch, "_VERDICTS", {})
+    real = get_backend(backend)
+
+    def long_prefills(cu, lens, g):
+        seqs = tuple(int(s) for s in np.flatnonzero(np.diff(cu) >= 32))
+        return rules.SdpaPick(seqs, "long prefills") if seqs else None
+    mixed = KernelBackend(real.name, real.attention, real.gather, long_prefills)
+    d = dispatch.Dispatcher("auto", backends={real.name: mixed}, strict=True)
+    q_lens, ctx = [1, 40, 1, 33], [300, 0, 90, 21]
+    case = PagedCase(q_lens, ctx, 8, 2, 64, 16, mx.float16, seed=6)
+    meta = build_attention_metadata(q_lens, ctx, case.pages, 16, case.num_blocks)
+    attention = d.plan(meta, Geometry(8, 2, 64, 16, mx.float16, 0.125))
+    assert (attention.choice.path, attention.choice.sdpa_seqs) == ("mixed", (1, 3))
+    for _ in range(2):
+        out = attention(case.q, case.k_new, case.v_new, case.k_cache, case.v_cache)
+        assert_close(out, case.oracle(0.125), mx.float16)
+    assert d.counts == {"mixed": 2}
+
+
 @pytest.mark.parametrize("q_lens,ctx_lens,sdpa", [
-    ([4096], [0], True), ([64, 9], [0, 0], False), ([1] * 32, [0] * 32, False),
-    ([1024], [4096], True), ([2048, 4096], [16384, 0], True), ([512], [16384], True),
-    ([512], [1024], True), ([64], [16384], False), ([16], [131072], False),
-    ([1024, 1], [8192, 50], False), ([16], [4096], False),
+    ([4096], [0], (0,)), ([64, 9], [0, 0], ()), ([1] * 32, [0] * 32, ()),
+    ([1024], [4096], (0,)), ([2048, 4096], [16384, 0], (0, 1)), ([512], [16384], (0,)),
+    ([512], [1024], (0,)), ([64], [16384], ()), ([16], [131072], ()),
+    ([1024, 1], [8192, 50], (0,)), ([16], [4096], ()), ([1, 300, 7, 2048], [9, 0, 40, 16], (1, 3)),
 ])
 def test_cuda_measured_rule(q_lens, ctx_lens, sdpa):
     """The CUDA backend's measured rule (host-only: runs anywhere)."""
     cu = np.concatenate([[0], np.cumsum(q_lens)])
     lens = np.array(q_lens) + np.array(ctx_lens)
     g = Geometry(32, 8, 128, 16, mx.bfloat16, 128 ** -0.5)
-    assert (rules.cuda_prefers_sdpa(cu, lens, g) is not None) == sdpa
+    want = tuple(s for s, q in enumerate(q_lens) if q >= rules.CUDA_SDPA_MIN_Q)
+    assert want == sdpa
+    pick = rules.cuda_prefers_sdpa(cu, lens, g)
+    assert (pick.seqs if pick else ()) == want
     rule = rules.CudaSdpaRule()  # the backend's: SDPA only for shapes asked for before
     assert rule(cu, lens, g) is None
-    assert (rule(cu, lens, g) is not None) == sdpa
+    pick = rule(cu, lens, g)
+    assert (pick.seqs if pick else ()) == want
     other = Geometry(32, 8, 64, 16, mx.bfloat16, 64 ** -0.5)
     assert rule(cu, lens, other) is None  # another geometry is another cuDNN graph
-    if len(q_lens) > 1:  # one new shape in the batch sends the whole batch to the kernel
-        assert rule(cu, lens + np.eye(len(q_lens), dtype=int)[0] * 16, g) is None
+    if len(want) > 1:  # a new shape sends its sequence back to the kernel, not the others
+        pick = rule(cu, lens + np.eye(len(q_lens), dtype=int)[want[0]] * 16, g)
+        assert pick.seqs == want[1:]
+
+
+def test_cuda_rule_counts_a_shape_new_to_the_batch_once():
+    """Two sequences of one new shape in a batch: neither has its cuDNN graph yet."""
+    g = Geometry(32, 8, 128, 16, mx.bfloat16, 128 ** -0.5)
+    rule = rules.CudaSdpaRule()
+    cu, lens = np.array([0, 300, 600, 601]), np.array([400, 400, 50])
+    assert rule(cu, lens, g) is None
+    assert rule(cu, lens, g).seqs == (0, 1)
 
 
 @pytest.mark.parametrize("q_len,ctx,splits", [
@@ -350,13 +435,15 @@ def test_cuda_rule_forgets_shapes_as_mlx_evicts_their_graphs(monkeypatch):
 
 
 @pytest.mark.parametrize("q_lens,ctx_lens,sdpa", [
-    ([4096], [0], True), ([4096], [16], False), ([64], [0], False), ([1] * 32, [0] * 32, False),
+    ([4096], [0], (0,)), ([4096], [16], ()), ([64], [0], ()), ([1] * 32, [0] * 32, ()),
+    ([1, 600, 700], [30, 0, 5], (1,)),
 ])
 def test_metal_rule_leaves_the_kernel_only_for_long_fresh_prompts(q_lens, ctx_lens, sdpa):
     cu = np.concatenate([[0], np.cumsum(q_lens)])
     lens = np.array(q_lens) + np.array(ctx_lens)
     g = Geometry(32, 8, 128, 16, mx.bfloat16, 128 ** -0.5)
-    assert (rules.metal_prefers_sdpa(cu, lens, g) is not None) == sdpa
+    pick = rules.metal_prefers_sdpa(cu, lens, g)
+    assert (pick.seqs if pick else ()) == sdpa
 
 
 def test_backends_build_without_a_device():
