@@ -101,22 +101,28 @@ template <> struct Mma<__half> {
 # Outputs: out [T, H, D] T;
 #          o_part [slots, BLOCK_M, D] float32, lse_part [slots, BLOCK_M] float32: scratch of split
 #          tiles, per-split output normalised by its own row sum and its log2-sum-exp (-inf: no key).
-# Grid: one threadblock of 2 * BLOCK_M threads (a warp per 16 rows) per work item.
-# Template: T, HEAD_DIM, GROUP, BLOCK_M, STAGES, BS (block size, a power of two).
-# Smem: STAGES K/V stages [K][V], each [BLOCK_N][HEAD_DIM + PAD]; Q passes through the last
-# stage on its way to registers. Pipeline: STAGES - 1 K/V tiles in flight; one barrier per tile
-# (after the wait, before refilling the stage the previous iteration read).
+# Grid: one threadblock of 32 * BLOCK_M / WARP_M threads (a warp per WARP_M rows) per work item.
+# Template: T, HEAD_DIM, GROUP, BLOCK_M, WARP_M (16 or 32), STAGES, BS (block size, a power of
+# two). A warp of 32 rows runs two m16 tiles against each K/V fragment it loads from smem: half
+# the ldmatrix traffic per product of 16-row warps.
+# Smem: STAGES K/V stages [K][V], each [BLOCK_N][HEAD_DIM + PAD], then Q [BLOCK_M][HEAD_DIM + PAD]
+# when WARP_M = 32 (a warp re-reads its Q fragments every tile: the registers hold two tiles'
+# accumulators instead); with WARP_M = 16, Q passes through the last stage on its way to
+# registers. Pipeline: STAGES - 1 K/V tiles in flight; one barrier per tile (after the wait,
+# before refilling the stage the previous iteration read).
 ATTENTION_SOURCE = r"""
   constexpr int D = HEAD_DIM, LD = D + PAD, CHUNKS = D / 8;   // 16-byte chunks per row
   constexpr int KSTEPS = D / 16, DTILES = D / 8, NTILES = BLOCK_N / 8;
-  constexpr int NUM_THREADS = 2 * BLOCK_M, ROWS_PER_PASS = NUM_THREADS / CHUNKS;
+  constexpr int MT = WARP_M / 16;              // m16 tiles per warp
+  constexpr int NUM_THREADS = 32 * BLOCK_M / WARP_M, ROWS_PER_PASS = NUM_THREADS / CHUNKS;
   constexpr int BUF = 2 * BLOCK_N * LD;        // one K + V stage
-  static_assert(BLOCK_M <= 2 * BLOCK_N, "Q staging fits one K + V stage");
+  static_assert(MT == 1 || MT == 2, "a warp holds 16 or 32 rows");
+  static_assert(MT > 1 || BLOCK_M <= 2 * BLOCK_N, "Q staging fits one K + V stage");
   static_assert((BS & (BS - 1)) == 0, "block size is a power of two");
   extern __shared__ __align__(16) unsigned char smem[];
   T* sK = reinterpret_cast<T*>(smem);          // stage b: K at sK + b * BUF
   T* sV = sK + BLOCK_N * LD;                   //          V at sV + b * BUF
-  T* sQ = sK + (STAGES - 1) * BUF;             // [BLOCK_M][LD], aliases the last stage
+  T* sQ = sK + (MT > 1 ? STAGES : STAGES - 1) * BUF;  // [BLOCK_M][LD]: own, or the last stage
 
   const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
   const int* item = work + static_cast<size_t>(blockIdx.x) * WORK_COLS;
@@ -165,16 +171,27 @@ ATTENTION_SOURCE = r"""
   cp_async_wait<STAGES - 1>();  // Q has landed
   __syncthreads();
 
-  // Q fragments stay in registers (A operand of S = Q K^T)
-  const bool warp_active = warp * 16 < rows;  // warp-uniform: padding warps only load
-  uint32_t qf[KSTEPS][4];
-  for (int ks = 0; ks < KSTEPS; ++ks)
-    ldsm_x4(smem_addr(sQ + (warp * 16 + lane % 16) * LD + ks * 16 + (lane / 16) * 8), qf[ks]);
+  // A operand of S = Q K^T: 16-row warps keep their Q fragments in registers
+  const bool warp_active = warp * WARP_M < rows;  // warp-uniform: padding warps only load
+  auto q_frag = [&](int mt, int ks, uint32_t* a) {
+    ldsm_x4(smem_addr(sQ + (warp * WARP_M + mt * 16 + lane % 16) * LD + ks * 16 + (lane / 16) * 8),
+            a);
+  };
+  uint32_t qf[MT == 1 ? KSTEPS : 1][4];
+  if constexpr (MT == 1)
+    for (int ks = 0; ks < KSTEPS; ++ks) q_frag(0, ks, qf[ks]);
 
-  float o[DTILES][4] = {};
-  float m_run[2] = {-INFINITY, -INFINITY}, l_run[2] = {0.f, 0.f};
-  const int row_lo = warp * 16 + lane / 4;  // this thread's rows: row_lo and row_lo + 8
-  const int pos_row[2] = {pos0 + row_lo / GROUP, pos0 + (row_lo + 8) / GROUP};
+  float o[MT][DTILES][4] = {};
+  float m_run[MT][2], l_run[MT][2];
+  // this thread's rows: row_lo + 16 mt + 8 i, for m-tile mt and half i
+  const int row_lo = warp * WARP_M + lane / 4;
+  int pos_row[MT][2];
+  for (int mt = 0; mt < MT; ++mt)
+    for (int i = 0; i < 2; ++i) {
+      m_run[mt][i] = -INFINITY;
+      l_run[mt][i] = 0.f;
+      pos_row[mt][i] = pos0 + (row_lo + 16 * mt + 8 * i) / GROUP;
+    }
   // keys < mask_from are visible to every row of the tile: those tiles skip the mask
   const int mask_from = min(pos0 + 1, kv_end);
 
@@ -189,83 +206,102 @@ ATTENTION_SOURCE = r"""
     if (warp_active) {
       const T* k_t = sK + buf * BUF;
       const T* v_t = sV + buf * BUF;
-      float s[NTILES][4] = {};
+      float s[MT][NTILES][4] = {};
       for (int ks = 0; ks < KSTEPS; ++ks) {
+        uint32_t a[MT][4];
+        for (int mt = 0; mt < MT; ++mt) {
+          if constexpr (MT == 1) {
+            for (int r = 0; r < 4; ++r) a[0][r] = qf[ks][r];
+          } else {
+            q_frag(mt, ks, a[mt]);
+          }
+        }
         for (int np = 0; np < NTILES / 2; ++np) {
           uint32_t b[4];
           ldsm_x4(smem_addr(k_t + (np * 16 + lane % 8 + (lane / 16) * 8) * LD + ks * 16 +
                             ((lane / 8) % 2) * 8), b);
-          Mma<T>::run(s[2 * np], qf[ks], b[0], b[1]);
-          Mma<T>::run(s[2 * np + 1], qf[ks], b[2], b[3]);
+          for (int mt = 0; mt < MT; ++mt) {
+            Mma<T>::run(s[mt][2 * np], a[mt], b[0], b[1]);
+            Mma<T>::run(s[mt][2 * np + 1], a[mt], b[2], b[3]);
+          }
         }
       }
       if (n0 + BLOCK_N > mask_from) {  // diagonal or last tile: mask by position
-        for (int nt = 0; nt < NTILES; ++nt)
-          for (int e = 0; e < 4; ++e) {
-            const int key = n0 + nt * 8 + (lane % 4) * 2 + (e & 1);
-            if (key > pos_row[e / 2] || key >= kv_end) s[nt][e] = -INFINITY;
-          }
+        for (int mt = 0; mt < MT; ++mt)
+          for (int nt = 0; nt < NTILES; ++nt)
+            for (int e = 0; e < 4; ++e) {
+              const int key = n0 + nt * 8 + (lane % 4) * 2 + (e & 1);
+              if (key > pos_row[mt][e / 2] || key >= kv_end) s[mt][nt][e] = -INFINITY;
+            }
       }
-      for (int i = 0; i < 2; ++i) {  // online softmax of rows row_lo + 8 i
-        float mx = m_run[i];
-        for (int nt = 0; nt < NTILES; ++nt) mx = fmaxf(mx, fmaxf(s[nt][2 * i], s[nt][2 * i + 1]));
-        mx = fmaxf(mx, __shfl_xor_sync(0xffffffff, mx, 1));
-        mx = fmaxf(mx, __shfl_xor_sync(0xffffffff, mx, 2));
-        const float base = mx == -INFINITY ? 0.f : mx * scale_log2;  // no key yet: no NaN
-        const float alpha = fast_exp2(m_run[i] * scale_log2 - base);
-        m_run[i] = mx;
-        float sum = 0.f;
-        for (int nt = 0; nt < NTILES; ++nt)
-          for (int e = 2 * i; e < 2 * i + 2; ++e) {
-            s[nt][e] = fast_exp2(fmaf(s[nt][e], scale_log2, -base));
-            sum += s[nt][e];
+      for (int mt = 0; mt < MT; ++mt)
+        for (int i = 0; i < 2; ++i) {  // online softmax of rows row_lo + 16 mt + 8 i
+          float mx = m_run[mt][i];
+          for (int nt = 0; nt < NTILES; ++nt)
+            mx = fmaxf(mx, fmaxf(s[mt][nt][2 * i], s[mt][nt][2 * i + 1]));
+          mx = fmaxf(mx, __shfl_xor_sync(0xffffffff, mx, 1));
+          mx = fmaxf(mx, __shfl_xor_sync(0xffffffff, mx, 2));
+          const float base = mx == -INFINITY ? 0.f : mx * scale_log2;  // no key yet: no NaN
+          const float alpha = fast_exp2(m_run[mt][i] * scale_log2 - base);
+          m_run[mt][i] = mx;
+          float sum = 0.f;
+          for (int nt = 0; nt < NTILES; ++nt)
+            for (int e = 2 * i; e < 2 * i + 2; ++e) {
+              s[mt][nt][e] = fast_exp2(fmaf(s[mt][nt][e], scale_log2, -base));
+              sum += s[mt][nt][e];
+            }
+          l_run[mt][i] = l_run[mt][i] * alpha + sum;  // per-thread share; the quad sums at the end
+          for (int dt = 0; dt < DTILES; ++dt) {
+            o[mt][dt][2 * i] *= alpha;
+            o[mt][dt][2 * i + 1] *= alpha;
           }
-        l_run[i] = l_run[i] * alpha + sum;  // per-thread share; the quad sums at the end
-        for (int dt = 0; dt < DTILES; ++dt) {
-          o[dt][2 * i] *= alpha;
-          o[dt][2 * i + 1] *= alpha;
         }
-      }
       for (int kk = 0; kk < BLOCK_N / 16; ++kk) {  // O += P V, P re-packed as the A operand
-        const uint32_t a[4] = {Mma<T>::pack(s[2 * kk][0], s[2 * kk][1]),
-                               Mma<T>::pack(s[2 * kk][2], s[2 * kk][3]),
-                               Mma<T>::pack(s[2 * kk + 1][0], s[2 * kk + 1][1]),
-                               Mma<T>::pack(s[2 * kk + 1][2], s[2 * kk + 1][3])};
+        uint32_t a[MT][4];
+        for (int mt = 0; mt < MT; ++mt) {
+          a[mt][0] = Mma<T>::pack(s[mt][2 * kk][0], s[mt][2 * kk][1]);
+          a[mt][1] = Mma<T>::pack(s[mt][2 * kk][2], s[mt][2 * kk][3]);
+          a[mt][2] = Mma<T>::pack(s[mt][2 * kk + 1][0], s[mt][2 * kk + 1][1]);
+          a[mt][3] = Mma<T>::pack(s[mt][2 * kk + 1][2], s[mt][2 * kk + 1][3]);
+        }
         for (int dp = 0; dp < DTILES / 2; ++dp) {
           uint32_t b[4];
           ldsm_x4_trans(smem_addr(v_t + (kk * 16 + lane % 8 + ((lane / 8) % 2) * 8) * LD +
                                   dp * 16 + (lane / 16) * 8), b);
-          Mma<T>::run(o[2 * dp], a, b[0], b[1]);
-          Mma<T>::run(o[2 * dp + 1], a, b[2], b[3]);
+          for (int mt = 0; mt < MT; ++mt) {
+            Mma<T>::run(o[mt][2 * dp], a[mt], b[0], b[1]);
+            Mma<T>::run(o[mt][2 * dp + 1], a[mt], b[2], b[3]);
+          }
         }
       }
     }
   }
 
   if (warp_active) {
-    for (int i = 0; i < 2; ++i) {
-      float l = l_run[i];
-      l += __shfl_xor_sync(0xffffffff, l, 1);
-      l += __shfl_xor_sync(0xffffffff, l, 2);
-      const float inv = l > 0.f ? 1.f / l : 0.f;
-      const int row = row_lo + 8 * i;
-      if (row >= rows) continue;
-      const int col = (lane % 4) * 2;
-      if (slot < 0) {
-        T* dst = out + (static_cast<size_t>(tok0 + row / GROUP) * H + kvh * GROUP + row % GROUP) * D;
-        for (int dt = 0; dt < DTILES; ++dt)
-          *reinterpret_cast<uint32_t*>(dst + dt * 8 + col) =
-              Mma<T>::pack(o[dt][2 * i] * inv, o[dt][2 * i + 1] * inv);
-      } else {
-        float* dst = o_part + (static_cast<size_t>(slot) * BLOCK_M + row) * D;
-        for (int dt = 0; dt < DTILES; ++dt)
-          *reinterpret_cast<float2*>(dst + dt * 8 + col) =
-              make_float2(o[dt][2 * i] * inv, o[dt][2 * i + 1] * inv);
-        if (lane % 4 == 0)
-          lse_part[static_cast<size_t>(slot) * BLOCK_M + row] =
-              l > 0.f ? m_run[i] * scale_log2 + log2f(l) : -INFINITY;
+    for (int mt = 0; mt < MT; ++mt)
+      for (int i = 0; i < 2; ++i) {
+        float l = l_run[mt][i];
+        l += __shfl_xor_sync(0xffffffff, l, 1);
+        l += __shfl_xor_sync(0xffffffff, l, 2);
+        const float inv = l > 0.f ? 1.f / l : 0.f;
+        const int row = row_lo + 16 * mt + 8 * i;
+        if (row >= rows) continue;
+        const int col = (lane % 4) * 2;
+        if (slot < 0) {
+          T* dst = out + (static_cast<size_t>(tok0 + row / GROUP) * H + kvh * GROUP + row % GROUP) * D;
+          for (int dt = 0; dt < DTILES; ++dt)
+            *reinterpret_cast<uint32_t*>(dst + dt * 8 + col) =
+                Mma<T>::pack(o[mt][dt][2 * i] * inv, o[mt][dt][2 * i + 1] * inv);
+        } else {
+          float* dst = o_part + (static_cast<size_t>(slot) * BLOCK_M + row) * D;
+          for (int dt = 0; dt < DTILES; ++dt)
+            *reinterpret_cast<float2*>(dst + dt * 8 + col) =
+                make_float2(o[mt][dt][2 * i] * inv, o[mt][dt][2 * i + 1] * inv);
+          if (lane % 4 == 0)
+            lse_part[static_cast<size_t>(slot) * BLOCK_M + row] =
+                l > 0.f ? m_run[mt][i] * scale_log2 + log2f(l) : -INFINITY;
+        }
       }
-    }
   }
   if (slot < 0) return;
 
@@ -280,12 +316,14 @@ ATTENTION_SOURCE = r"""
   __syncthreads();
   if (!is_last) return;
   __threadfence();  // ... and the merging block fences before reading the others' (acquire).
-  // Two threads per row (NUM_THREADS = 2 * BLOCK_M), each half the row's columns as float4s:
-  // a split's VEC loads are independent, so each thread keeps them all in flight (a warp per
-  // row, one split at a time, left the merge bound by L2 latency: 125 us at C=4096, Lq=16).
-  constexpr int HALF = D / 2, VEC = HALF / 4;
-  const int row = tid / 2, col0 = (tid % 2) * HALF;
-  if (row < rows) {
+  // Half a row's columns at a time, as float4s: a split's VEC loads are independent, so each
+  // thread keeps them all in flight (a warp per row, one split at a time, left the merge bound
+  // by L2 latency: 125 us at C=4096, Lq=16). Two threads per row share it with 16-row warps;
+  // with 32-row warps (BLOCK_M threads) a thread takes both halves in turn.
+  constexpr int HALF = D / 2, VEC = HALF / 4, PER_ROW = NUM_THREADS / BLOCK_M;
+  static_assert(PER_ROW == 1 || PER_ROW == 2, "one or two threads per row");
+  const int row = tid / PER_ROW;
+  for (int col0 = (tid % PER_ROW) * HALF; row < rows && col0 < D; col0 += PER_ROW * HALF) {
     // __ldcg: other blocks wrote these through L2; never serve them from this SM's L1
     const float* lse = lse_part + static_cast<size_t>(first) * BLOCK_M + row;  // stride BLOCK_M
     const float4* part = reinterpret_cast<const float4*>(
@@ -328,6 +366,9 @@ _SOURCE_HASH = support.source_hash(HEADER, ATTENTION_SOURCE)
 # per FLOP of 64-row tiles) when they still give at least this many threadblocks; decode
 # batches and short suffixes keep 64-row tiles (more, smaller blocks in flight per SM).
 MIN_TILES_FOR_BLOCK_M_128 = 118  # ~0.9 x NUM_SMS: 128-row blocks run one per SM
+# Rows per warp of 128-row tiles: 32 (four warps, each two m16 tiles against every K/V fragment
+# it loads) or 16 (eight warps); 64-row tiles keep 16 (decode rows fill few of them).
+WARP_M_128 = 32
 # Split KV into about SPLIT_ITEMS_PER_SM items per SM, a tile of n kv tiles into ceil(n / chunk)
 # balanced parts, chunk = max(SPLIT_MIN_KV_TILES, the even share): parts of 4-8 tiles or more.
 # A split's fp32 partial (32 KB at 64 rows, D=128) costs as much traffic as two K/V tiles
@@ -351,6 +392,7 @@ class CudaAttentionPlan:
     geometry: Geometry
     lengths: support.Lengths
     block_m: int
+    warp_m: int
     tiles: tile_plan.TilePlan
     qk_scale: mx.array  # float32 [1]
     counters: mx.array  # int32 [num_tiles], zero between launches
@@ -368,6 +410,7 @@ class CudaPagedAttention(support.PagedAttentionKernel):
     # instance-settable, so a benchmark can plan other chunkings side by side (bench/split_ncu.py)
     split_min_kv_tiles = SPLIT_MIN_KV_TILES
     split_items_per_sm = SPLIT_ITEMS_PER_SM
+    warp_m_128 = WARP_M_128
 
     def __init__(self, cuda_kernel=None):
         super().__init__(cuda_kernel or mx.fast.cuda_kernel)
@@ -386,25 +429,29 @@ class CudaPagedAttention(support.PagedAttentionKernel):
                                           min_chunk=self.split_min_kv_tiles,
                                           min_items=0 if block_m == 128 else None, seqs=seqs)
         g = geometry
+        warp_m = self.warp_m_128 if block_m == 128 else 16
+        threads = 32 * block_m // warp_m
         slots = max(tiles.num_slots, 1)  # outputs cannot be empty; unused when nothing is split
         launch = dict(
             template=[("T", g.dtype), ("HEAD_DIM", g.head_dim), ("GROUP", g.group),
-                      ("BLOCK_M", block_m), ("STAGES", STAGES), ("BS", g.block_size)],
-            grid=(tiles.num_items * 2 * block_m, 1, 1),
-            threadgroup=(2 * block_m, 1, 1),
+                      ("BLOCK_M", block_m), ("WARP_M", warp_m), ("STAGES", STAGES),
+                      ("BS", g.block_size)],
+            grid=(tiles.num_items * threads, 1, 1),
+            threadgroup=(threads, 1, 1),
             output_shapes=[(lengths.num_tokens, g.num_heads, g.head_dim),
                            (slots, block_m, g.head_dim), (slots, block_m)],
             output_dtypes=[g.dtype, mx.float32, mx.float32])
         return CudaAttentionPlan(
-            geometry=g, lengths=lengths, block_m=block_m, tiles=tiles,
+            geometry=g, lengths=lengths, block_m=block_m, warp_m=warp_m, tiles=tiles,
             qk_scale=mx.array([g.scale * LOG2E], dtype=mx.float32),
             counters=mx.zeros((max(tiles.num_tiles, 1),), dtype=mx.int32), launch=launch)
 
-    def _kernel(self, g: Geometry, block_m: int):
-        key = (g.dtype, g.head_dim, g.group, g.block_size, block_m)
+    def _kernel(self, g: Geometry, block_m: int, warp_m: int):
+        key = (g.dtype, g.head_dim, g.group, g.block_size, block_m, warp_m)
         if key not in self._kernels:
             variant = (f"{support.dtype_name(g.dtype)}_d{g.head_dim}_g{g.group}_b{g.block_size}"
-                       f"_m{block_m}_s{STAGES}")
+                       f"_m{block_m}_w{warp_m}_s{STAGES}")
+            q_smem = block_m * (g.head_dim + PAD) * 2 if warp_m > 16 else 0  # else in a stage
             self._kernels[key] = self._factory(
                 name=f"paged_prefill_{_SOURCE_HASH}_{variant}",
                 input_names=["q", "k_cache", "v_cache", "block_tables", "work", "qk_scale",
@@ -412,8 +459,9 @@ class CudaPagedAttention(support.PagedAttentionKernel):
                 output_names=["out", "o_part", "lse_part"],
                 source=ATTENTION_SOURCE,
                 header=HEADER,
-                # K and V per stage, 2-byte elements: 69.6 KB at D=128, 2 stages (> 48 KB default)
-                shared_memory=2 * STAGES * BLOCK_N * (g.head_dim + PAD) * 2,
+                # K and V per stage, 2-byte elements: 69.6 KB at D=128, 2 stages (> 48 KB
+                # default), and Q's own 34.8 KB at 128 rows of 32-row warps
+                shared_memory=2 * STAGES * BLOCK_N * (g.head_dim + PAD) * 2 + q_smem,
             )
         return self._kernels[key]
 
@@ -422,6 +470,6 @@ class CudaPagedAttention(support.PagedAttentionKernel):
         """The call without its entry check, for callers that validated the plan against these
         arrays already (a forward launches once per layer)."""
         tiles = plan.tiles
-        return self._kernel(plan.geometry, plan.block_m)(
+        return self._kernel(plan.geometry, plan.block_m, plan.warp_m)(
             inputs=[q, k_cache, v_cache, block_tables, tiles.work, plan.qk_scale, plan.counters],
             **plan.launch)[0]
