@@ -1,0 +1,106 @@
+"""Attention timed as layers run it: each call's output is the next call's q.
+
+    python bench/chained_attention.py --out chained.json [--only C4096_Lq16,...]
+
+`bench/attention_sweep.py` evaluates many independent calls at once, and MLX's CUDA backend
+may run independent launches side by side: a launch that fills a fraction of the GPU (cuDNN's
+or ours, at short suffixes) then looks faster than it runs inside a forward, where each layer
+waits for the one before. Here every call depends on the previous one, so the figures are
+per-layer latencies (host cost per call included, as in a forward). Same points and geometry
+as the sweep (single-sequence points only: the output of one call must be the next's q).
+
+Paths: ceiling = SDPA on contiguous K/V; kernel = the paged kernel as planned; auto = the
+dispatcher's choice for a shape asked for before; and where the kernel plans 128-row tiles,
+kernel_w16 = the same plan with 16-row warps (eight warps a tile) against the default 32.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import mlx.core as mx
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from attention_sweep import GEOMETRY, make_case, sweep_points  # noqa: E402
+
+from jit_kernels import available_backends  # noqa: E402
+from paged_prefix.dispatch import Dispatcher  # noqa: E402
+
+
+def chained_us(step, x0: mx.array, calls: int = 50, samples: int = 5) -> float:
+    """Median microseconds per call of `calls` dependent calls x <- step(x)."""
+    mx.eval(step(x0))
+    times = []
+    for _ in range(samples):
+        x = x0
+        t0 = time.perf_counter()
+        for _ in range(calls):
+            x = step(x)
+        mx.eval(x)
+        times.append((time.perf_counter() - t0) / calls)
+    return statistics.median(times) * 1e6
+
+
+def run_point(point, backend) -> dict:
+    case, g = make_case(point), GEOMETRY
+    m = case.meta
+    cu, lens, tables = m.cu_seqlens_q_host, m.seq_lens_host, m.block_tables
+    k_seq, v_seq = case.k_seqs[0], case.v_seqs[0]
+    row = {"point": point.name, "ceiling": chained_us(
+        lambda x: mx.fast.scaled_dot_product_attention(x, k_seq, v_seq, scale=g.scale,
+                                                       mask="causal"), case.q_seqs[0])}
+    kernel = backend.attention
+    plan = kernel.plan(cu, lens, g)
+    row["kernel"] = chained_us(lambda x: kernel.launch(x, case.k_cache, case.v_cache, tables,
+                                                       plan), case.q)
+    row["block_m"], row["items"] = plan.block_m, plan.tiles.num_items
+    if plan.block_m == 128:
+        narrow = type(kernel)()
+        narrow.warp_m_128 = 16
+        plan16 = narrow.plan(cu, lens, g)
+        row["kernel_w16"] = chained_us(lambda x: narrow.launch(x, case.k_cache, case.v_cache,
+                                                               tables, plan16), case.q)
+    dispatcher = Dispatcher("auto")
+    dispatcher.plan(m, g)
+    auto = dispatcher.plan(m, g)
+    row["auto"] = chained_us(lambda x: auto(x, case.k_new, case.v_new, case.k_cache,
+                                            case.v_cache), case.q)
+    row["auto_path"] = auto.choice.path
+    row["auto_over_ceiling"] = row["auto"] / row["ceiling"]
+    return row
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", type=Path)
+    parser.add_argument("--only", help="comma-separated point names")
+    args = parser.parse_args()
+    backend = next(iter(available_backends().values()), None)
+    if backend is None:
+        raise SystemExit("no GPU kernel backend on this machine")
+    only = set(args.only.split(",")) if args.only else None
+    points = [p for p in sweep_points(False) if len(p.q_lens) == 1
+              and (only is None or p.name in only)]
+    rows = []
+    print(f"{'point':<14}{'ceiling us':>11}{'kernel us':>11}{'w16 us':>9}{'auto us':>10}"
+          f"{'auto/ceil':>10}  auto path", flush=True)
+    for point in points:
+        r = run_point(point, backend)
+        rows.append(r)
+        w16 = f"{r['kernel_w16']:9.1f}" if "kernel_w16" in r else f"{'-':>9}"
+        print(f"{r['point']:<14}{r['ceiling']:11.1f}{r['kernel']:11.1f}{w16}{r['auto']:10.1f}"
+              f"{r['auto_over_ceiling']:10.2f}  {r['auto_path']}", flush=True)
+        mx.clear_cache()
+    if args.out:
+        args.out.write_text(json.dumps(rows, indent=1))
+
+
+if __name__ == "__main__":
+    main()
