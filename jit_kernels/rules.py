@@ -26,6 +26,8 @@ from .support import Geometry
 #   C=1024     42 / 26        40 / 37        53 / 75        379 / 963
 #   C=4096     72 / 56        52 / 56        100 / 180      708 / 1850
 #   C=16384    139 / 62       127 / 114      281 / 645      2032 / 5554
+# (Since then 128-row tiles at D=128 run 32-row warps: the kernel takes ~0.8x those times at
+# Lq = 4096, still 2x SDPA's; docs/gpu.md.)
 # cuDNN's SDPA (wgmma) runs ~2.5x this kernel's TFLOP/s, so from Lq = 512 on it wins whatever
 # the prefix (the gather costs less than the FLOPs it saves); at Lq <= 64 the kernel's single
 # launch and split KV win or tie. End to end (bench/test_bench_prefill.py, docs/h200/prefill.json)
@@ -73,22 +75,31 @@ def sdpa_cache_size() -> int:
 
 
 class CudaSdpaRule:
-    """`cuda_prefers_sdpa` for shapes asked for before in this process; the kernel otherwise.
+    """`cuda_prefers_sdpa` for shapes whose cuDNN graphs are built or likely to be used again;
+    the kernel otherwise.
 
     cuDNN builds an execution graph the first time it meets an SDPA shape (MLX caches it by
     shape): on the H200 that first call took 69-107 ms in one run and 37-634 ms in another,
     where the cached call takes 0.2-0.6 ms (bf16, H=32, Hkv=8, D=64; docs/h200/new_shapes.txt).
     Serving meets new (query, key) lengths at almost every step, and a 1.1B model's whole
     2048-token step takes ~12 ms, so under the length rule alone a server stalled for a graph
-    build on most steps. The first request of a shape therefore runs the paged kernel, which
-    compiles once per variant; a sequence whose shape comes again, and so is likely to keep
-    coming, goes to SDPA and pays for its graph once. (With every graph built, SDPA and the kernel took
-    about the same time over a chunked prefill of 32 prompts: 467 vs 448 ms.)
+    build on most steps. So:
 
-    MLX keeps the graphs in a least-recently-used cache of MLX_CUDA_SDPA_CACHE_SIZE shapes
-    (default 256); the rule remembers as many shapes, dropping the least recently asked, so a
-    shape MLX has evicted goes back to the kernel and a long-running server's memory of shapes
-    stays bounded.
+    - a batch of long prefills only goes to SDPA when every one of its shapes was asked for
+      before (a shape that comes again is likely to keep coming, and pays for its graph once);
+      its first request of a shape runs the paged kernel, which compiles once per variant;
+    - in a batch that mixes long prefills with decode rows or short suffixes, SDPA takes only
+      the sequences whose graphs such batches have built: a mixed batch never builds a graph,
+      so mixing adds no build stall to those that batches of long prefills pay anyway. (Served
+      on the H200, 16 requests sharing 4 prefixes, prefix caching on: TTFT p50 4998 ms with
+      mixed batches free to build graphs, 4372 ms under this rule, where no step mixed; both
+      far from the previous round's 1319 ms, for reasons not established: docs/gpu.md.)
+
+    (With every graph built, SDPA and the kernel took about the same time over a chunked
+    prefill of 32 prompts: 467 vs 448 ms.) MLX keeps the graphs in a least-recently-used cache
+    of MLX_CUDA_SDPA_CACHE_SIZE shapes (default 256); the rule remembers as many shapes asked
+    for and as many built, dropping the least recently used, so a shape MLX has evicted goes
+    back to the kernel and a long-running server's memory of shapes stays bounded.
     """
 
     def __init__(self, capacity: int | None = None):
@@ -98,6 +109,14 @@ class CudaSdpaRule:
             raise ValueError(f"capacity: expected at least 1 shape, got {capacity}")
         self.capacity = capacity
         self._asked: OrderedDict[tuple, None] = OrderedDict()
+        self._built: OrderedDict[tuple, None] = OrderedDict()
+
+    def _touch(self, memory: OrderedDict, shapes) -> None:
+        for shape in shapes:
+            memory[shape] = None
+            memory.move_to_end(shape)
+        while len(memory) > self.capacity:
+            memory.popitem(last=False)
 
     def __call__(self, cu_seqlens_q: np.ndarray, seq_lens: np.ndarray,
                  geometry: Geometry) -> SdpaPick | None:
@@ -107,17 +126,20 @@ class CudaSdpaRule:
         g, q_lens = geometry, np.diff(cu_seqlens_q)
         shapes = {s: (g.num_heads, g.num_kv_heads, g.head_dim, g.dtype, int(q_lens[s]),
                       int(seq_lens[s])) for s in pick.seqs}
+        if len(pick.seqs) < len(seq_lens):  # mixed: only graphs built already
+            built = tuple(s for s in pick.seqs if shapes[s] in self._built)
+            self._touch(self._built, (shapes[s] for s in built))
+            if not built:
+                return None
+            return SdpaPick(built, f"{pick.reason}, at shapes whose cuDNN graphs are built")
         # asked before this batch: two new sequences of one shape both build no graph yet
-        seen = [s for s in pick.seqs if shapes[s] in self._asked]
-        for shape in shapes.values():
-            self._asked[shape] = None
-            self._asked.move_to_end(shape)
-        while len(self._asked) > self.capacity:
-            self._asked.popitem(last=False)
+        seen = all(shape in self._asked for shape in shapes.values())
+        self._touch(self._asked, shapes.values())
         if not seen:
             return None
-        return SdpaPick(tuple(seen), f"{pick.reason}, at shapes asked for before (cuDNN graphs "
-                                     "built)")
+        self._touch(self._built, shapes.values())
+        return SdpaPick(pick.seqs, f"{pick.reason}, at shapes asked for before (cuDNN graphs "
+                                   "built)")
 
 
 def metal_prefers_sdpa(cu_seqlens_q: np.ndarray, seq_lens: np.ndarray,

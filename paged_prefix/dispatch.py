@@ -135,7 +135,7 @@ class Dispatcher:
             return Choice(name, "kernel supports the call and the measured rule picks it", name)
         if len(pick.seqs) == len(meta.seq_lens_host):
             return Choice("sdpa", pick.reason, self._gather_backend(g))
-        # the gather copies any row the kernel reads (16-byte multiples): it runs where it does
+        # with the kernel's own gather, which copies any row the kernel reads (16-byte rows)
         return Choice("mixed", f"{pick.reason}; the {name} kernel runs the others", name,
                       pick.seqs)
 
@@ -165,8 +165,8 @@ class Dispatcher:
         return ForwardAttention(choice, *self._planned[1], self.counts)
 
     def _validated(self, choice: Choice, g: Geometry) -> Choice:
+        backend = self.backends.get(choice.backend)
         for component in choice.components():
-            backend = self.backends[choice.backend]
             key = (backend, component, g.variant())
             if key not in _VERDICTS:
                 check = canary.check_attention if component == "attention" else \
@@ -207,8 +207,8 @@ class Dispatcher:
             gather = self.backends[choice.backend].gather
 
             def checked(q, k, v, kc, vc):
-                out = kernel(q, as_pages(kc, g), as_pages(vc, g), tables, plan)
                 check_sdpa_call(q, k, v, kc, vc, tables, sdpa, gather)
+                out = kernel(q, as_pages(kc, g), as_pages(vc, g), tables, plan)
                 return attend_into(out, q, k, v, kc, vc, tables, sdpa, gather)
             return checked, lambda q, k, v, kc, vc: attend_into(
                 kernel.launch(q, kc, vc, tables, plan), q, k, v, kc, vc, tables, sdpa, gather)
