@@ -367,8 +367,11 @@ _SOURCE_HASH = support.source_hash(HEADER, ATTENTION_SOURCE)
 # batches and short suffixes keep 64-row tiles (more, smaller blocks in flight per SM).
 MIN_TILES_FOR_BLOCK_M_128 = 118  # ~0.9 x NUM_SMS: 128-row blocks run one per SM
 # Rows per warp of 128-row tiles: 32 (four warps, each two m16 tiles against every K/V fragment
-# it loads) or 16 (eight warps); 64-row tiles keep 16 (decode rows fill few of them).
+# it loads) or 16 (eight warps); 64-row tiles keep 16 (decode rows fill few of them). Measured
+# at D=128 only (H200, bench/chained_attention.py: 0.80x the time at Lq=4096, 1.01-1.07x at
+# Lq=512): other head dims keep 16.
 WARP_M_128 = 32
+WARP_M_128_HEAD_DIMS = (128,)
 # Split KV into about SPLIT_ITEMS_PER_SM items per SM, a tile of n kv tiles into ceil(n / chunk)
 # balanced parts, chunk = max(SPLIT_MIN_KV_TILES, the even share): parts of 4-8 tiles or more.
 # A split's fp32 partial (32 KB at 64 rows, D=128) costs as much traffic as two K/V tiles
@@ -429,7 +432,7 @@ class CudaPagedAttention(support.PagedAttentionKernel):
                                           min_chunk=self.split_min_kv_tiles,
                                           min_items=0 if block_m == 128 else None, seqs=seqs)
         g = geometry
-        warp_m = self.warp_m_128 if block_m == 128 else 16
+        warp_m = self.warp_m_128 if block_m == 128 and g.head_dim in WARP_M_128_HEAD_DIMS else 16
         threads = 32 * block_m // warp_m
         slots = max(tiles.num_slots, 1)  # outputs cannot be empty; unused when nothing is split
         launch = dict(

@@ -374,23 +374,49 @@ def test_cuda_measured_rule(q_lens, ctx_lens, sdpa):
     pick = rules.cuda_prefers_sdpa(cu, lens, g)
     assert (pick.seqs if pick else ()) == want
     rule = rules.CudaSdpaRule()  # the backend's: SDPA only for shapes asked for before
+    everyone = len(want) == len(q_lens)
     assert rule(cu, lens, g) is None
     pick = rule(cu, lens, g)
-    assert (pick.seqs if pick else ()) == want
+    # a mixed batch builds no graph: its long sequences stay on the kernel until batches of
+    # long prefills only have run their shapes on SDPA
+    assert (pick.seqs if pick else ()) == (want if everyone else ())
     other = Geometry(32, 8, 64, 16, mx.bfloat16, 64 ** -0.5)
     assert rule(cu, lens, other) is None  # another geometry is another cuDNN graph
-    if len(want) > 1:  # a new shape sends its sequence back to the kernel, not the others
-        pick = rule(cu, lens + np.eye(len(q_lens), dtype=int)[want[0]] * 16, g)
-        assert pick.seqs == want[1:]
+    if not want or everyone:
+        return
+    for s in want:  # each long shape asked for twice alone: its graph is built
+        alone_cu, alone_lens = np.array([0, q_lens[s]]), lens[s:s + 1]
+        assert rule(alone_cu, alone_lens, g) is None
+        assert rule(alone_cu, alone_lens, g).seqs == (0,)
+    assert rule(cu, lens, g).seqs == want
 
 
 def test_cuda_rule_counts_a_shape_new_to_the_batch_once():
     """Two sequences of one new shape in a batch: neither has its cuDNN graph yet."""
     g = Geometry(32, 8, 128, 16, mx.bfloat16, 128 ** -0.5)
     rule = rules.CudaSdpaRule()
-    cu, lens = np.array([0, 300, 600, 601]), np.array([400, 400, 50])
+    cu, lens = np.array([0, 300, 600]), np.array([400, 400])
     assert rule(cu, lens, g) is None
     assert rule(cu, lens, g).seqs == (0, 1)
+
+
+def test_cuda_rule_mixes_only_shapes_whose_graphs_are_built():
+    """A long prefill beside decode rows goes to SDPA once a batch of long prefills ran its
+    shape there, never before (a mixed batch builds no graph, however often it comes); a
+    shape MLX has evicted (the rule's LRU of built shapes) goes back to the kernel."""
+    g = Geometry(32, 8, 128, 16, mx.bfloat16, 128 ** -0.5)
+    rule = rules.CudaSdpaRule(capacity=2)
+    mixed_cu, mixed_lens = np.array([0, 1, 301, 302]), np.array([90, 1300, 40])
+    for _ in range(3):
+        assert rule(mixed_cu, mixed_lens, g) is None
+    alone = (np.array([0, 300]), np.array([1300]))
+    assert rule(*alone, g) is None  # asked for the first time: the kernel
+    assert rule(*alone, g).seqs == (0,)  # again: SDPA builds its graph
+    assert rule(mixed_cu, mixed_lens, g).seqs == (1,)
+    for q in (400, 500):  # two other shapes built: 300's graph is the least recently used
+        for _ in range(2):
+            rule(np.array([0, q]), np.array([q + 1000]), g)
+    assert rule(mixed_cu, mixed_lens, g) is None
 
 
 @pytest.mark.parametrize("q_len,ctx,splits", [
@@ -408,6 +434,19 @@ def test_cuda_split_chunking(q_len, ctx, splits):
     assert tiles.num_items <= cuda_attention.NUM_SMS * per_sm + tiles.num_tiles
     keys = work[:, tile_plan.KV_END] - work[:, tile_plan.KV_START]
     assert (-(-keys // cuda_attention.BLOCK_N)).min() >= min_tiles // 2
+
+
+@pytest.mark.parametrize("head_dim,warp_m", [(64, 16), (128, 32)])
+def test_cuda_128_row_tiles_take_32_row_warps_where_measured(head_dim, warp_m):
+    """Host-only: 128-row plans run four warps of 32 rows at D=128 (measured faster there),
+    eight of 16 elsewhere; 64-row plans always four of 16."""
+    g = Geometry(32, 8, head_dim, 16, mx.bfloat16, head_dim ** -0.5)
+    attention = cuda_attention.CudaPagedAttention(lambda **_: None)
+    big = attention.plan(np.array([0, 4096]), np.array([4096]), g)
+    assert (big.block_m, big.warp_m, big.launch["threadgroup"][0]) == (128, warp_m,
+                                                                       32 * 128 // warp_m)
+    small = attention.plan(np.array([0, 16]), np.array([4096]), g)
+    assert (small.block_m, small.warp_m, small.launch["threadgroup"][0]) == (64, 16, 128)
 
 
 def test_cuda_rule_forgets_shapes_as_mlx_evicts_their_graphs(monkeypatch):
