@@ -160,6 +160,55 @@ def test_mixed_batch_hits_fresh_and_decode_in_one_forward(model, path):
     h.assert_near(out["new"], h.dense_greedy(p_new, 0)[0])
 
 
+def mixed_backend(name):
+    """`name`'s kernels with a rule that picks SDPA for every prefill of >= 30 tokens (the CUDA
+    rule's shape, at a size a test model reaches), so a batch beside decode rows mixes paths."""
+    from jit_kernels import KernelBackend, available_backends, metal_backend, rules
+
+    if name == "metal-emulated":
+        from tests.metal_emu import metal_kernel
+        real = metal_backend(metal_kernel)
+    else:
+        real = available_backends()[name]
+
+    def long_prefills(cu, lens, g):
+        seqs = tuple(int(s) for s in np.flatnonzero(np.diff(cu) >= 30))
+        return rules.SdpaPick(seqs, "prefills of >= 30 tokens") if seqs else None
+    return KernelBackend(real.name, real.attention, real.gather, long_prefills)
+
+
+@pytest.mark.parametrize("backend", [
+    pytest.param("metal-emulated", marks=pytest.mark.emulated), *KERNEL_PATHS])
+@pytest.mark.parametrize("model", ["llama-test", "qwen3-test"])
+def test_mixed_path_runs_prefills_on_sdpa_and_decode_rows_on_the_kernel(model, backend,
+                                                                         monkeypatch):
+    """The batch of the test above through `auto` with a kernel backend: the hit and the fresh
+    prompt go to SDPA, the decode row to the kernel, in one forward; logits match mlx-lm."""
+    from paged_prefix import dispatch
+
+    monkeypatch.setattr(dispatch, "_VERDICTS", {})
+    h = Harness(model, "reference", mx.float16)
+    h.runner.dispatcher = Dispatcher("auto", backends={backend: mixed_backend(backend)},
+                                     strict=True)
+    shared = prompt_of(100, 48)
+    p_dec, p_hit, p_new = shared + prompt_of(1, 9), shared + prompt_of(2, 30), prompt_of(3, 41)
+    b_dec, b_new = h.blocks(80), h.blocks(41)
+    b_hit = b_dec[:3] + h.blocks(80 - 48)
+    first = h.step(ScheduledRequest("dec", p_dec, 57, 0, 57, b_dec))["dec"]
+    assert h.runner.dispatcher.last.path == "sdpa"  # one long prefill alone
+    tokens = p_dec + [int(mx.argmax(first))]
+    out = h.step(ScheduledRequest("dec", tokens, 57, 57, 1, b_dec),
+                 ScheduledRequest("hit", p_hit, 78, 48, 30, b_hit),
+                 ScheduledRequest("new", p_new, 41, 0, 41, b_new))
+    choice = h.runner.dispatcher.last
+    assert (choice.path, choice.sdpa_seqs) == ("mixed", (1, 2))
+    layers = h.cfg["num_hidden_layers"]
+    assert h.runner.dispatcher.counts == {"sdpa": layers, "mixed": layers}
+    h.assert_near(out["dec"], h.split_logits(tokens, [(0, 57), (57, 58)])[-1])
+    h.assert_near(out["hit"], h.split_logits(p_hit, [(0, 48), (48, 78)])[-1])
+    h.assert_near(out["new"], h.dense_greedy(p_new, 0)[0])
+
+
 @pytest.mark.parametrize("path", ATTENTION_PATHS)
 @pytest.mark.parametrize("model", ["llama-test", "qwen3-test"])
 @pytest.mark.parametrize("chunk", [17, 32])
