@@ -362,7 +362,7 @@ ATTENTION_SOURCE = r"""
 """
 
 _SOURCE_HASH = support.source_hash(HEADER, ATTENTION_SOURCE)
-# Prefill-heavy forwards take 128-row tiles (each K/V tile feeds 8 warps: half the L2 traffic
+# Prefill-heavy forwards take 128-row tiles (each K/V tile feeds 128 rows: half the L2 traffic
 # per FLOP of 64-row tiles) when they still give at least this many threadblocks; decode
 # batches and short suffixes keep 64-row tiles (more, smaller blocks in flight per SM).
 MIN_TILES_FOR_BLOCK_M_128 = 118  # ~0.9 x NUM_SMS: 128-row blocks run one per SM
