@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 import reference
-from jit_kernels import KernelBackend
+from jit_kernels import KernelBackend, rules
 from jit_kernels.rules import SdpaPick
 from jit_kernels.support import Geometry
 from paged_prefix import dispatch
@@ -158,10 +158,11 @@ def test_a_batch_planned_again_reuses_its_plan_per_chosen_path():
     assert attention.plans == 2
 
 
-def pick_long(cu, lens, g):
-    """A rule that sends every prefill of >= 8 tokens to SDPA (CUDA's, at a small size)."""
-    seqs = tuple(int(s) for s in np.flatnonzero(np.diff(cu) >= 8))
-    return SdpaPick(seqs, "long prefills") if seqs else None
+@pytest.fixture
+def pick_long(monkeypatch):
+    """CUDA's length rule, sending every prefill of >= 8 tokens to SDPA (a test's size)."""
+    monkeypatch.setattr(rules, "CUDA_SDPA_MIN_Q", 8)
+    return rules.cuda_prefers_sdpa
 
 
 @pytest.mark.parametrize("q_lens,ctx,sdpa_seqs", [
@@ -170,20 +171,20 @@ def pick_long(cu, lens, g):
     ([3, 30], [50, 5], (1,)),              # the picked sequence holds the last rows
 ])
 def test_auto_mixes_sdpa_and_the_kernel_when_the_rule_picks_some_sequences(q_lens, ctx,
-                                                                           sdpa_seqs):
+                                                                           sdpa_seqs, pick_long):
     """The kernel plans only the other sequences (the fake leaves the rest NaN, as the real
     kernels leave them unwritten); SDPA's rows overwrite them: the oracle holds everywhere."""
     backend = KernelBackend("fake", CountingAttention(), FakeGather(), pick_long)
     d = Dispatcher("auto", backends={"fake": backend}, strict=True)
     choice = run(d, q_lens, ctx)
     assert (choice.path, choice.backend, choice.sdpa_seqs) == ("mixed", "fake", sdpa_seqs)
-    assert "long prefills" in choice.reason and d.counts == {"mixed": 1}
+    assert "prefills of >= 8 tokens" in choice.reason and d.counts == {"mixed": 1}
     assert choice.components() == ("attention", "gather")
     # the canary planned the whole batch; the forward planned the others only
     assert backend.attention.planned[-1] == [s for s in range(len(q_lens)) if s not in sdpa_seqs]
 
 
-def test_mixed_path_layers_after_the_first_take_the_unchecked_launch():
+def test_mixed_path_layers_after_the_first_take_the_unchecked_launch(pick_long):
     backend = KernelBackend("fake", CountingAttention(), FakeGather(), pick_long)
     d = Dispatcher("auto", backends={"fake": backend}, strict=True)
     c = PagedCase([9, 1], [20, 40], 8, 2, 64, 16, mx.float16, seed=3)
@@ -198,7 +199,7 @@ def test_mixed_path_layers_after_the_first_take_the_unchecked_launch():
                GEOMETRY)(c.q, c.k_new[:3], c.v_new, c.k_cache, c.v_cache)
 
 
-def test_mixed_path_canary_checks_both_kernels(caplog):
+def test_mixed_path_canary_checks_both_kernels(caplog, pick_long):
     backend = KernelBackend("fake", FakeAttention(error=0.02), FakeGather(), pick_long)
     d = Dispatcher("auto", backends={"fake": backend}, strict=False)
     with caplog.at_level(logging.WARNING, logger="paged_prefix.dispatch"):

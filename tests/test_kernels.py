@@ -340,12 +340,9 @@ def test_dispatcher_mixes_sdpa_and_the_kernel(backend, monkeypatch):
     from paged_prefix.metadata import build_attention_metadata
 
     monkeypatch.setattr(dispatch, "_VERDICTS", {})
+    monkeypatch.setattr(rules, "CUDA_SDPA_MIN_Q", 32)  # CUDA's length rule at a test's size
     real = get_backend(backend)
-
-    def long_prefills(cu, lens, g):
-        seqs = tuple(int(s) for s in np.flatnonzero(np.diff(cu) >= 32))
-        return rules.SdpaPick(seqs, "long prefills") if seqs else None
-    mixed = KernelBackend(real.name, real.attention, real.gather, long_prefills)
+    mixed = KernelBackend(real.name, real.attention, real.gather, rules.cuda_prefers_sdpa)
     d = dispatch.Dispatcher("auto", backends={real.name: mixed}, strict=True)
     q_lens, ctx = [1, 40, 1, 33], [300, 0, 90, 21]
     case = PagedCase(q_lens, ctx, 8, 2, 64, 16, mx.float16, seed=6)

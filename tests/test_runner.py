@@ -160,9 +160,9 @@ def test_mixed_batch_hits_fresh_and_decode_in_one_forward(model, path):
     h.assert_near(out["new"], h.dense_greedy(p_new, 0)[0])
 
 
-def mixed_backend(name):
-    """`name`'s kernels with a rule that picks SDPA for every prefill of >= 30 tokens (the CUDA
-    rule's shape, at a size a test model reaches), so a batch beside decode rows mixes paths."""
+def mixed_backend(name, monkeypatch):
+    """`name`'s kernels with CUDA's length rule picking SDPA for every prefill of >= 30 tokens
+    (a size a test model reaches), so a batch beside decode rows mixes paths."""
     from jit_kernels import KernelBackend, available_backends, metal_backend, rules
 
     if name == "metal-emulated":
@@ -170,11 +170,8 @@ def mixed_backend(name):
         real = metal_backend(metal_kernel)
     else:
         real = available_backends()[name]
-
-    def long_prefills(cu, lens, g):
-        seqs = tuple(int(s) for s in np.flatnonzero(np.diff(cu) >= 30))
-        return rules.SdpaPick(seqs, "prefills of >= 30 tokens") if seqs else None
-    return KernelBackend(real.name, real.attention, real.gather, long_prefills)
+    monkeypatch.setattr(rules, "CUDA_SDPA_MIN_Q", 30)
+    return KernelBackend(real.name, real.attention, real.gather, rules.cuda_prefers_sdpa)
 
 
 @pytest.mark.parametrize("backend", [
@@ -188,7 +185,7 @@ def test_mixed_path_runs_prefills_on_sdpa_and_decode_rows_on_the_kernel(model, b
 
     monkeypatch.setattr(dispatch, "_VERDICTS", {})
     h = Harness(model, "reference", mx.float16)
-    h.runner.dispatcher = Dispatcher("auto", backends={backend: mixed_backend(backend)},
+    h.runner.dispatcher = Dispatcher("auto", backends={backend: mixed_backend(backend, monkeypatch)},
                                      strict=True)
     shared = prompt_of(100, 48)
     p_dec, p_hit, p_new = shared + prompt_of(1, 9), shared + prompt_of(2, 30), prompt_of(3, 41)
