@@ -12,7 +12,7 @@ from dataclasses import dataclass
 import mlx.core as mx
 import numpy as np
 
-from reference import check_arrays, check_lengths
+from reference import check_arrays, check_lengths, host_ints
 
 DTYPES = (mx.float16, mx.bfloat16)
 BLOCK_SIZES = (8, 16, 32)
@@ -79,13 +79,12 @@ class Lengths:
         """`seqs` (a plan's sequences; None: all of them) as sorted int64 batch indices."""
         if seqs is None:
             return None
-        picked = np.asarray(seqs)
+        picked = host_ints(seqs, "seqs")
         n = len(self.seq_lens)
-        if (picked.ndim != 1 or not len(picked) or picked.dtype.kind not in "iu"
-                or (np.diff(picked) <= 0).any() or picked[0] < 0 or picked[-1] >= n):
+        if not len(picked) or (np.diff(picked) <= 0).any() or picked[0] < 0 or picked[-1] >= n:
             raise ValueError(f"seqs: expected increasing batch indices in [0, {n - 1}], "
                              f"got {seqs!r}")
-        return picked.astype(np.int64)
+        return picked
 
     def tokens_of(self, seqs: np.ndarray | None) -> int:
         if seqs is None:

@@ -3,8 +3,8 @@
 Imports nothing of the runner package or of `jit_kernels`: plain arrays in, arrays out.
 """
 
-from .contract import check_arrays, check_lengths, check_paged_inputs
+from .contract import check_arrays, check_lengths, check_paged_inputs, host_ints
 from .paged_attention import gather_kv, heads_first, paged_attention, sdpa, tokens_first
 
 __all__ = ["check_arrays", "check_lengths", "check_paged_inputs", "gather_kv", "heads_first",
-           "paged_attention", "sdpa", "tokens_first"]
+           "host_ints", "paged_attention", "sdpa", "tokens_first"]
