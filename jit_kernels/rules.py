@@ -50,13 +50,9 @@ class SdpaPick:
     reason: str
 
 
-def _prefills_of_at_least(cu_seqlens_q: np.ndarray, min_q: int) -> np.ndarray:
-    return np.flatnonzero(np.diff(cu_seqlens_q) >= min_q)
-
-
 def cuda_prefers_sdpa(cu_seqlens_q: np.ndarray, seq_lens: np.ndarray,
                       geometry: Geometry) -> SdpaPick | None:
-    seqs = _prefills_of_at_least(cu_seqlens_q, CUDA_SDPA_MIN_Q)
+    seqs = np.flatnonzero(np.diff(cu_seqlens_q) >= CUDA_SDPA_MIN_Q)
     if not len(seqs):
         return None
     return SdpaPick(tuple(seqs.tolist()),
