@@ -418,13 +418,18 @@ class CudaPagedAttention(support.PagedAttentionKernel):
     def __init__(self, cuda_kernel=None):
         super().__init__(cuda_kernel or mx.fast.cuda_kernel)
 
+    def tile_rows(self, geometry: Geometry) -> tuple[int, ...]:
+        return (64, 128)
+
     def plan(self, cu_seqlens_q: np.ndarray, seq_lens: np.ndarray, geometry: Geometry,
-             seqs=None) -> CudaAttentionPlan:
-        """`seqs`: plan only these sequences (see `plan.build_tile_plan`); None plans all."""
+             seqs=None, block_m: int | None = None) -> CudaAttentionPlan:
+        """`seqs`: plan only these sequences (see `plan.build_tile_plan`); None plans all.
+        `block_m`: one of `tile_rows`; None chooses by the batch's size."""
         lengths = self._lengths(cu_seqlens_q, seq_lens, geometry)
         seqs = lengths.subset(seqs)
         group, num_kv_heads = geometry.group, geometry.num_kv_heads
-        block_m = choose_block_m(lengths.tokens_of(seqs), group, num_kv_heads)
+        block_m = self._block_m(block_m, geometry) or choose_block_m(lengths.tokens_of(seqs),
+                                                                      group, num_kv_heads)
         # 128-row plans are chosen only when they fill the GPU: never split them
         tiles = tile_plan.build_tile_plan(lengths.cu_seqlens_q, lengths.seq_lens, group,
                                           num_kv_heads, block_m, BLOCK_N, NUM_SMS,

@@ -268,9 +268,14 @@ class MetalPagedAttention(support.PagedAttentionKernel):
     def __init__(self, metal_kernel=None):
         super().__init__(metal_kernel or mx.fast.metal_kernel)
 
+    def tile_rows(self, geometry: Geometry) -> tuple[int, ...]:
+        return (BLOCK_Q,)
+
     def plan(self, cu_seqlens_q: np.ndarray, seq_lens: np.ndarray, geometry: Geometry,
-             seqs=None) -> MetalAttentionPlan:
-        """`seqs`: plan only these sequences (see `plan.build_tile_plan`); None plans all."""
+             seqs=None, block_m: int | None = None) -> MetalAttentionPlan:
+        """`seqs`: plan only these sequences (see `plan.build_tile_plan`); None plans all.
+        `block_m`: one of `tile_rows` (there is one)."""
+        self._block_m(block_m, geometry)
         lengths = self._lengths(cu_seqlens_q, seq_lens, geometry)
         tiles = tile_plan.build_tile_plan(lengths.cu_seqlens_q, lengths.seq_lens, geometry.group,
                                           geometry.num_kv_heads, BLOCK_Q,

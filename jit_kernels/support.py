@@ -133,6 +133,18 @@ class PagedAttentionKernel:
     def unsupported_reason(self, geometry: Geometry) -> str | None:
         return unsupported_reason(geometry, self.head_dims)
 
+    def tile_rows(self, geometry: Geometry) -> tuple[int, ...]:
+        """The query-tile heights a plan may choose for this geometry, each its own kernel
+        variant: the first-use check runs every one (`plan(..., block_m=)`)."""
+        raise NotImplementedError
+
+    def _block_m(self, block_m: int | None, geometry: Geometry) -> int | None:
+        """A caller's forced tile height, checked: None lets the plan choose."""
+        if block_m is not None and block_m not in self.tile_rows(geometry):
+            raise ValueError(f"block_m: {self.name} plans query tiles of "
+                             f"{self.tile_rows(geometry)} rows, not {block_m!r}")
+        return block_m
+
     def _lengths(self, cu_seqlens_q: np.ndarray, seq_lens: np.ndarray,
                  geometry: Geometry) -> Lengths:
         """A plan's first step: refuse an unsupported geometry, validate the host lengths."""

@@ -3,7 +3,8 @@
 A kernel that fails to compile or computes wrong numbers must not take down a server or give
 wrong tokens: the first time a variant runs in a process, it runs a small case that exercises
 its paths (two sequences with cached prefixes over several pages, a decode row, enough keys
-to split KV, NaN-poisoned unused pages and table padding) and is compared with the reference.
+to split KV, NaN-poisoned unused pages and table padding) at each query-tile height its plans
+may choose, and is compared with the reference.
 """
 
 from __future__ import annotations
@@ -66,17 +67,23 @@ def _mismatch(out: mx.array, want: mx.array, tol: tuple[float, float]) -> str | 
 
 
 def check_attention(backend: KernelBackend, g: Geometry) -> str | None:
-    """None when the backend's paged kernel matches the reference on this variant, else why."""
+    """None when the backend's paged kernel matches the reference on this variant at every
+    query-tile height a plan may choose, else why. Every height's kernel is built here, so a
+    server's warm-up builds them all and no request waits for a compile."""
     small, q, k_cache, v_cache, table, cu, seq_lens = _case(g)
     want = reference.paged_attention(*(x.astype(mx.float32) for x in (q, k_cache, v_cache)),
                                      table, cu, seq_lens, small.scale)
-    try:
-        out = backend.attention(q, k_cache, v_cache, table,
-                                backend.attention.plan(cu, seq_lens, small))
-        mx.eval(out)
-    except Exception as e:  # a compile or launch error is exactly what the canary is for
-        return f"{type(e).__name__}: {e}"
-    return _mismatch(out, want, TOLERANCES[g.dtype])
+    kernel = backend.attention
+    for rows in kernel.tile_rows(small):
+        try:
+            out = kernel(q, k_cache, v_cache, table, kernel.plan(cu, seq_lens, small, block_m=rows))
+            mx.eval(out)
+        except Exception as e:  # a compile or launch error is exactly what the canary is for
+            return f"{rows}-row query tiles: {type(e).__name__}: {e}"
+        why = _mismatch(out, want, TOLERANCES[g.dtype])
+        if why:
+            return f"{rows}-row query tiles: {why}"
+    return None
 
 
 def check_gather(backend: KernelBackend, g: Geometry) -> str | None:

@@ -35,14 +35,17 @@ class FakeAttention:
     def unsupported_reason(self, g):
         return None if g.head_dim == 64 else f"head_dim {g.head_dim}"
 
-    def plan(self, cu, lens, g, seqs=None):
-        return (cu, lens, g.scale), seqs
+    def tile_rows(self, g):
+        return (16,)
+
+    def plan(self, cu, lens, g, seqs=None, block_m=None):
+        return (cu, lens, g.scale), seqs, block_m
 
     def __call__(self, q, k_cache, v_cache, tables, plan):
         self.calls += 1
         if self.fails:
             raise RuntimeError("error: expected ';' (a compile error)")
-        (cu, lens, scale), seqs = plan
+        (cu, lens, scale), seqs, _ = plan
         out = reference.paged_attention(q, k_cache, v_cache, tables, cu, lens, scale)
         if seqs is not None:  # as the kernels: rows of sequences not planned stay unwritten
             planned = np.zeros(q.shape[0], dtype=bool)
@@ -123,10 +126,10 @@ class CountingAttention(FakeAttention):
     plans: int = 0
     planned: list = field(default_factory=list)  # each plan's sequences (None: all)
 
-    def plan(self, cu, lens, g, seqs=None):
+    def plan(self, cu, lens, g, seqs=None, block_m=None):
         self.plans += 1
         self.planned.append(None if seqs is None else list(seqs))
-        return super().plan(cu, lens, g, seqs)
+        return super().plan(cu, lens, g, seqs, block_m)
 
 
 def test_a_batch_planned_again_reuses_its_plan_per_chosen_path():
@@ -222,6 +225,40 @@ def test_canary_falls_back_to_the_reference_with_a_logged_reason(broken, caplog)
     assert backend.attention.calls == 1  # checked once per process, never run after
 
 
+@dataclass
+class TwoHeightAttention(FakeAttention):
+    """Plans 16- or 32-row tiles; wrong only at `broken_rows`."""
+
+    broken_rows: int = 32
+    heights: list = field(default_factory=list)
+
+    def tile_rows(self, g):
+        return (16, 32)
+
+    def __call__(self, q, k_cache, v_cache, tables, plan):
+        self.heights.append(plan[2])
+        return super().__call__(q, k_cache, v_cache, tables, plan) * \
+            (1.02 if plan[2] == self.broken_rows else 1.0)
+
+
+@pytest.mark.parametrize("broken_rows", [16, 32])
+def test_canary_checks_every_tile_height(broken_rows):
+    """A tile height that only large batches choose is checked (and built) at first use too,
+    not when a request's batch first needs it."""
+    attention = TwoHeightAttention(broken_rows=broken_rows)
+    d = Dispatcher("auto", backends={"fake": KernelBackend("fake", attention, FakeGather(),
+                                                           lambda cu, lens, g: None)},
+                   strict=False)
+    choice = run(d)
+    assert choice.path == "reference" and f"{broken_rows}-row query tiles" in choice.reason
+    assert attention.heights == [16, 32][:[16, 32].index(broken_rows) + 1]
+    good = TwoHeightAttention(broken_rows=0)
+    d = Dispatcher("auto", backends={"fake": KernelBackend("fake", good, FakeGather(),
+                                                           lambda cu, lens, g: None)}, strict=True)
+    dispatch._VERDICTS.clear()
+    assert run(d).path == "fake" and good.heights == [16, 32, None]
+
+
 @pytest.mark.parametrize("path", ["auto", "fake"])
 def test_canary_failure_raises_when_strict_or_forced(path):
     d = Dispatcher(path, backends={"fake": fake_backend(error=0.02)}, strict=path == "auto")
@@ -260,7 +297,7 @@ def test_the_dense_oracle_sees_the_fake_error():
     """The fake's 2% error is real: the per-element check catches it on its own."""
     c = PagedCase([5, 1], [13, 30], 8, 2, 64, 16, mx.float16)
     out = FakeAttention(error=0.02)(c.q, c.k_cache, c.v_cache, c.block_tables,
-                                    ((c.cu_seqlens_q, c.seq_lens, 0.125), None))
+                                    ((c.cu_seqlens_q, c.seq_lens, 0.125), None, None))
     with pytest.raises(AssertionError):
         assert_close(out, c.oracle(0.125), mx.float16)
     assert np.isfinite(np.array(out.astype(mx.float32))).all()

@@ -52,12 +52,8 @@ def get_backend(name):
 
 
 @pytest.fixture(params=[64, 128], ids=["m64", "m128"])
-def block_m(request, monkeypatch):
-    """Forces the CUDA kernel's 64- or 128-row tile variant (its own rule picks by size)."""
-    from jit_kernels import cuda_paged_attention
-
-    threshold = 0 if request.param == 128 else 10**9
-    monkeypatch.setattr(cuda_paged_attention, "MIN_TILES_FOR_BLOCK_M_128", threshold)
+def block_m(request):
+    """The CUDA kernel's 64- or 128-row tile variant, forced (its own rule picks by size)."""
     return request.param
 
 
@@ -71,7 +67,8 @@ def check(backend_name, q_lens, ctx_lens, num_heads=16, num_kv_heads=4, head_dim
     g = Geometry(num_heads, num_kv_heads, head_dim, block_size, dtype, head_dim ** -0.5)
     backend = get_backend(backend_name)
     assert backend.attention.unsupported_reason(g) is None
-    plan = backend.attention.plan(c.cu_seqlens_q, c.seq_lens, g)
+    plan = backend.attention.plan(c.cu_seqlens_q, c.seq_lens, g,
+                                  block_m=block_m if backend_name == "cuda" else None)
     out = backend.attention(c.q, c.k_cache, c.v_cache, c.block_tables, plan)
     assert out.shape == c.q.shape and out.dtype == dtype
     assert_close(out, c.oracle(g.scale), dtype, f"{backend_name} q={q_lens} ctx={ctx_lens}")
@@ -444,6 +441,47 @@ def test_cuda_128_row_tiles_take_32_row_warps_where_measured(head_dim, warp_m):
                                                                        32 * 128 // warp_m)
     small = attention.plan(np.array([0, 16]), np.array([4096]), g)
     assert (small.block_m, small.warp_m, small.launch["threadgroup"][0]) == (64, 16, 128)
+
+
+def test_cuda_forced_tile_height_is_planned_or_refused():
+    """Host-only: `block_m` forces a tile height the kernel has (128 rows never split KV, as
+    when its rule picks them) and refuses one it lacks before planning anything."""
+    g = Geometry(8, 2, 64, 16, mx.bfloat16, 0.125)
+    attention = cuda_attention.CudaPagedAttention(lambda **_: None)
+    decode = (np.array([0, 1, 2]), np.array([4096, 300]))
+    assert attention.plan(*decode, g).block_m == 64  # chosen: too few rows for 128
+    forced = attention.plan(*decode, g, block_m=128)
+    assert forced.block_m == 128 and forced.tiles.num_slots == 0
+    for bad in (32, 0, "128"):
+        with pytest.raises(ValueError, match="block_m"):
+            attention.plan(*decode, g, block_m=bad)
+
+
+@pytest.mark.skipif(emulated_metal_kernel is None, reason="no Metal emulation")
+def test_metal_has_one_tile_height_and_refuses_others():
+    g = Geometry(8, 2, 64, 16, mx.float16, 0.125)
+    attention = metal_backend(emulated_metal_kernel).attention
+    assert attention.tile_rows(g) == (32,)
+    assert attention.plan(np.array([0, 3]), np.array([40]), g, block_m=32).tiles.num_tiles
+    with pytest.raises(ValueError, match="block_m"):
+        attention.plan(np.array([0, 3]), np.array([40]), g, block_m=64)
+
+
+@pytest.mark.parametrize("backend", GPU_BACKENDS)
+def test_first_use_check_builds_every_tile_height(backend):
+    """The canary runs each height a plan may choose, so a server's warm-up builds them all:
+    a batch of decode rows (64-row tiles) after a warm-up of long prefills (128) must not wait
+    for a compile."""
+    from paged_prefix import canary
+
+    kernels = available_backends()[backend]
+    g = Geometry(32, 8, 64, 16, mx.bfloat16, 0.125)
+    kernels.attention._kernels.clear()
+    assert canary.check_attention(kernels, g) is None
+    if backend == "cuda":  # keyed (dtype, head_dim, group, block, block_m, warp_m)
+        assert {key[4] for key in kernels.attention._kernels} == {64, 128}
+    else:  # one height; keyed (kind, ...)
+        assert ("attention", g.dtype, 64, 4, 16) in kernels.attention._kernels
 
 
 def test_cuda_rule_forgets_shapes_as_mlx_evicts_their_graphs(monkeypatch):
