@@ -27,6 +27,8 @@ were; the forward itself writes no cache row before its own checks pass.
 from __future__ import annotations
 
 import dataclasses
+import logging
+import time
 from dataclasses import dataclass
 
 import mlx.core as mx
@@ -51,6 +53,8 @@ from .vllm_sampling import (
     token_id_options,
     unsupported_reason,
 )
+
+logger = logging.getLogger(__name__)
 
 TORCH_TO_MLX = {torch.float16: mx.float16, torch.bfloat16: mx.bfloat16, torch.float32: mx.float32}
 
@@ -88,6 +92,7 @@ class VllmModelRunner:
         self.runner: PagedModelRunner | None = None
         self.requests: dict[str, _Request] = {}
         self._pending: tuple[_Step, mx.array] | None = None
+        self._last_step_end: float | None = None  # for the debug log's time between steps
 
     def initialize_kv_cache(self, kv_cache_config: KVCacheConfig) -> None:
         groups = kv_cache_config.kv_cache_groups
@@ -118,11 +123,11 @@ class VllmModelRunner:
         return cache.num_blocks // 2 * cache.block_size - 1
 
     def warm_up(self, num_tokens: int) -> None:
-        """Real forwards (a `num_tokens` prefill and a decode row, then the prefill again with
-        its first half cached) and their sampling, greedy and at random with penalties and
-        logprobs, before the first request: one-time costs (kernel builds, the sampler's
-        compiled helpers) stay out of its latency. It writes only into blocks that no request
-        can own yet and leaves no request state."""
+        """Real forwards (a `num_tokens` prefill and a decode row, two decode rows alone, then
+        the prefill again with its first half cached) and their sampling, greedy and at random
+        with penalties and logprobs, before the first request: one-time costs (kernel builds,
+        the sampler's compiled helpers) stay out of its latency. It writes only into blocks
+        that no request can own yet and leaves no request state."""
         if self.runner is None:
             raise ValueError("initialize_kv_cache must run before warm_up")
         cache = self.runner.kv_cache
@@ -140,6 +145,12 @@ class VllmModelRunner:
         ], cache.block_size, cache.num_blocks, vocab_size=self.vocab_size)
         logits = self.runner.forward(meta)
         mx.eval(logits, cache.arrays())
+        # decode rows alone, as most serving steps are (their own tile plans and MLX kernels)
+        decode = build_batch_metadata([
+            ScheduledRequest(f"warmup-decode-{i}", tokens, num_tokens, num_tokens, 1, part)
+            for i, part in enumerate((blocks[:per_request], blocks[per_request:]))
+        ], cache.block_size, cache.num_blocks, vocab_size=self.vocab_size)
+        mx.eval(self.runner.forward(decode), cache.arrays())
         hit = num_tokens // 2 // cache.block_size * cache.block_size
         if hit:  # the cached-prefix path too: the prompt again, its first half read back
             again = build_batch_metadata([ScheduledRequest(
@@ -178,8 +189,18 @@ class VllmModelRunner:
         for s, r in enumerate(req_ids):  # after this forward, its K/V reach seq_lens[s]
             requests[r] = dataclasses.replace(requests[r],
                                               num_computed=int(meta.attn.seq_lens_host[s]))
+        start = time.perf_counter()
         logits = self.runner.forward(meta)
+        built = time.perf_counter()
         mx.eval(logits, self.runner.kv_cache.arrays())  # the forward's one host sync
+        if logger.isEnabledFor(logging.DEBUG):  # where a step's time goes, for TTFT questions
+            q = meta.attn.q_lens_host
+            idle = "" if self._last_step_end is None else \
+                f", {1e3 * (start - self._last_step_end):.1f} ms after the last step"
+            logger.debug("step: %d sequences (%d of one token), %d tokens after %d already in the "
+                         "cache; forward %.1f ms (%.1f ms of it building the graph)%s", len(q),
+                         int((q == 1).sum()), int(q.sum()), int(meta.attn.context_lens_host.sum()),
+                         1e3 * (time.perf_counter() - start), 1e3 * (built - start), idle)
         self.requests = requests
         self._pending = (_Step(requests, req_ids, meta), logits)
         return None
@@ -193,6 +214,7 @@ class VllmModelRunner:
         sample_ids = step.meta.sample_req_ids
         sampled: dict[str, int] = {}
         logprobs = None
+        start = time.perf_counter()
         if sample_ids:
             rows = [self._row(step.requests[r]) for r in sample_ids]
             out = self.sampler.sample(logits, rows, _grammar_rows(grammar_output, sample_ids))
@@ -201,6 +223,9 @@ class VllmModelRunner:
                 logprobs = _in_output_order(out.logprobs_tensors.tolists(), sample_ids, step.req_ids)
         for req_id, token in sampled.items():
             step.requests[req_id].output_token_ids.append(token)
+        self._last_step_end = time.perf_counter()
+        logger.debug("step: sampled %d rows in %.1f ms", len(sample_ids),
+                     1e3 * (self._last_step_end - start))
         return ModelRunnerOutput(
             req_ids=step.req_ids,
             req_id_to_index={r: i for i, r in enumerate(step.req_ids)},

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import logging
 
 import mlx.core as mx
 import numpy as np
@@ -241,8 +242,25 @@ def test_warm_up_runs_the_prefill_decode_and_cached_prefix_paths_and_keeps_no_st
     runner.warm_up(40)
     core = runner.runner
     hit = 40 // 2 // core.kv_cache.block_size * core.kv_cache.block_size
-    assert hit > 0 and core.stats.forwards == 2
-    assert core.stats.tokens_computed == 40 + 1 + (40 - hit)
+    assert hit > 0 and core.stats.forwards == 3  # prefill + a decode row, two decode rows, the hit
+    assert core.stats.tokens_computed == 40 + 1 + 2 + (40 - hit)
     assert not runner.requests
     out = runner.execute_model(step({"a": 20}, [new("a", list(range(3, 23)), ([1, 2],))]))
     assert len(out.sampled_token_ids[0]) == 1
+
+
+def test_debug_log_says_where_each_steps_time_goes(caplog):
+    """At DEBUG (vLLM's VLLM_LOGGING_LEVEL=DEBUG), one line per forward with the step's
+    shape and times, and one per sampling: how a slow TTFT is read off a server's log."""
+    runner = make_runner()
+    with caplog.at_level(logging.DEBUG, logger="paged_prefix.vllm_runner"):
+        runner.execute_model(step({"a": 20}, [new("a", list(range(3, 23)), ([1, 2],))]))
+        runner.execute_model(step({"a": 1}, cached_reqs=cached(["a"], [None], [20])))
+    lines = [r.getMessage() for r in caplog.records if r.name == "paged_prefix.vllm_runner"]
+    assert len(lines) == 4
+    assert lines[0].startswith("step: 1 sequences (0 of one token), 20 tokens after 0 already "
+                               "in the cache; forward ")
+    assert "of it building the graph" in lines[0] and "after the last step" not in lines[0]
+    assert lines[1].startswith("step: sampled 1 rows in ")
+    assert lines[2].startswith("step: 1 sequences (1 of one token), 1 tokens after 20 ")
+    assert lines[2].endswith("ms after the last step")
