@@ -275,8 +275,8 @@ class MetalPagedAttention(support.PagedAttentionKernel):
              seqs=None, block_m: int | None = None) -> MetalAttentionPlan:
         """`seqs`: plan only these sequences (see `plan.build_tile_plan`); None plans all.
         `block_m`: one of `tile_rows` (there is one)."""
-        self._block_m(block_m, geometry)
         lengths = self._lengths(cu_seqlens_q, seq_lens, geometry)
+        self._block_m(block_m, geometry)
         tiles = tile_plan.build_tile_plan(lengths.cu_seqlens_q, lengths.seq_lens, geometry.group,
                                           geometry.num_kv_heads, BLOCK_Q,
                                           BLOCK_N[geometry.head_dim], GPU_CORES,
