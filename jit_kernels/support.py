@@ -7,6 +7,7 @@ and the kernels are tested at block sizes 8, 16 and 32 (any other size goes else
 from __future__ import annotations
 
 import hashlib
+import numbers
 from dataclasses import dataclass
 
 import mlx.core as mx
@@ -140,10 +141,13 @@ class PagedAttentionKernel:
 
     def _block_m(self, block_m: int | None, geometry: Geometry) -> int | None:
         """A caller's forced tile height, checked: None lets the plan choose."""
-        if block_m is not None and block_m not in self.tile_rows(geometry):
+        if block_m is None:
+            return None
+        if isinstance(block_m, bool) or not isinstance(block_m, numbers.Integral) or \
+                block_m not in self.tile_rows(geometry):
             raise ValueError(f"block_m: {self.name} plans query tiles of "
                              f"{self.tile_rows(geometry)} rows, not {block_m!r}")
-        return block_m
+        return int(block_m)
 
     def _lengths(self, cu_seqlens_q: np.ndarray, seq_lens: np.ndarray,
                  geometry: Geometry) -> Lengths:

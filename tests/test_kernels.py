@@ -450,9 +450,10 @@ def test_cuda_forced_tile_height_is_planned_or_refused():
     attention = cuda_attention.CudaPagedAttention(lambda **_: None)
     decode = (np.array([0, 1, 2]), np.array([4096, 300]))
     assert attention.plan(*decode, g).block_m == 64  # chosen: too few rows for 128
-    forced = attention.plan(*decode, g, block_m=128)
-    assert forced.block_m == 128 and forced.tiles.num_slots == 0
-    for bad in (32, 0, "128"):
+    forced = attention.plan(*decode, g, block_m=np.int64(128))
+    assert forced.block_m == 128 and type(forced.block_m) is int
+    assert forced.tiles.num_slots == 0
+    for bad in (32, 0, "128", 64.0, True):
         with pytest.raises(ValueError, match="block_m"):
             attention.plan(*decode, g, block_m=bad)
 
