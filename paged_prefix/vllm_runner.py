@@ -136,27 +136,28 @@ class VllmModelRunner:
             raise ValueError(f"num_tokens: a warm-up of {num_tokens} tokens needs "
                              f"{2 * per_request} blocks, the cache has {cache.num_blocks}")
         tokens = [i % self.vocab_size for i in range(num_tokens + 1)]
-        blocks = list(range(2 * per_request))
+        # Every other block: a long prefill's rows then land in many runs of slots, so its
+        # cache writes take the scatter (MLX's CUDA backend compiles its scatter kernels on
+        # first use, seconds), while the decode rows' two runs take the slice updates.
+        first, second = list(range(0, 2 * per_request, 2)), list(range(1, 2 * per_request, 2))
         meta = build_batch_metadata([
             ScheduledRequest("warmup-prefill", tokens[:num_tokens], num_tokens, 0, num_tokens,
-                             blocks[:per_request]),
-            ScheduledRequest("warmup-decode", tokens, num_tokens, num_tokens, 1,
-                             blocks[per_request:]),
+                             first),
+            ScheduledRequest("warmup-decode", tokens, num_tokens, num_tokens, 1, second),
         ], cache.block_size, cache.num_blocks, vocab_size=self.vocab_size)
         logits = self.runner.forward(meta)
         mx.eval(logits, cache.arrays())
         # decode rows alone, as most serving steps are (their own tile plans and MLX kernels)
         decode = build_batch_metadata([
             ScheduledRequest(f"warmup-decode-{i}", tokens, num_tokens, num_tokens, 1, part)
-            for i, part in enumerate((blocks[:per_request], blocks[per_request:]))
+            for i, part in enumerate((first, second))
         ], cache.block_size, cache.num_blocks, vocab_size=self.vocab_size)
         mx.eval(self.runner.forward(decode), cache.arrays())
         hit = num_tokens // 2 // cache.block_size * cache.block_size
         if hit:  # the cached-prefix path too: the prompt again, its first half read back
             again = build_batch_metadata([ScheduledRequest(
-                "warmup-hit", tokens[:num_tokens], num_tokens, hit, num_tokens - hit,
-                blocks[:per_request])], cache.block_size, cache.num_blocks,
-                vocab_size=self.vocab_size)
+                "warmup-hit", tokens[:num_tokens], num_tokens, hit, num_tokens - hit, first)],
+                cache.block_size, cache.num_blocks, vocab_size=self.vocab_size)
             mx.eval(self.runner.forward(again), cache.arrays())
         varied = SamplingParams(temperature=0.8, top_p=0.9, top_k=20, min_p=0.05, seed=0,
                                 repetition_penalty=1.1, logprobs=2)

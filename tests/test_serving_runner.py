@@ -249,6 +249,24 @@ def test_warm_up_runs_the_prefill_decode_and_cached_prefix_paths_and_keeps_no_st
     assert len(out.sampled_token_ids[0]) == 1
 
 
+def test_warm_up_writes_the_cache_both_ways(monkeypatch):
+    """A serving step whose rows land in many runs of slots writes by scatter, which MLX's
+    CUDA backend compiles on first use; the warm-up must run it (and the slice updates) so
+    that no request waits for that compile."""
+    runner = make_runner()
+    cache = runner.runner.kv_cache
+    kinds = []
+    real = cache.slots
+
+    def recording(*args, **kwargs):
+        slots = real(*args, **kwargs)
+        kinds.append("slices" if slots.runs else "scatter")
+        return slots
+    monkeypatch.setattr(cache, "slots", recording)
+    runner.warm_up(100)  # 7 blocks a request: a prefill's rows fall in 7 runs
+    assert {"scatter", "slices"} <= set(kinds)
+
+
 def test_debug_log_says_where_each_steps_time_goes(caplog):
     """At DEBUG (vLLM's VLLM_LOGGING_LEVEL=DEBUG), one line per forward with the step's
     shape and times, and one per sampling: how a slow TTFT is read off a server's log."""
