@@ -21,9 +21,11 @@ arrays").
 
 `choose()` is the one function that decides; it returns the path and the reason, logged once
 per distinct case and counted per layer call, so tests can check which path really ran and
-users can see when a slow path was taken. The first use of a kernel variant in a process runs
-the canary (`canary.py`); a variant that fails it is logged once and replaced by the reference
-from then on, unless PAGED_PREFIX_STRICT_KERNELS=1 (tests, benchmarks), which raises instead.
+users can see when a slow path was taken. The first use of a backend for a kernel variant in a
+process runs the canary (`canary.py`) on each of its kernels that the variant supports (the
+paged kernel at every tile height, the page gather), whichever path chose it; a kernel that
+fails is logged once and any path that runs it is replaced by the reference from then on,
+unless PAGED_PREFIX_STRICT_KERNELS=1 (tests, benchmarks), which raises instead.
 
 Override with `Dispatcher(path=...)` or PAGED_PREFIX_ATTENTION (auto, reference, sdpa, cuda,
 metal). A forced kernel that cannot run the call raises ValueError: no silent fallback.
@@ -166,17 +168,10 @@ class Dispatcher:
 
     def _validated(self, choice: Choice, g: Geometry) -> Choice:
         backend = self.backends.get(choice.backend)
+        if backend is not None:
+            self._check_all(choice.backend, backend, g, choice.components())
         for component in choice.components():
-            key = (backend, component, g.variant())
-            if key not in _VERDICTS:
-                check = canary.check_attention if component == "attention" else \
-                    canary.check_gather
-                _VERDICTS[key] = check(backend, g)
-                if _VERDICTS[key]:
-                    log.warning("paged attention: %s %s kernel for dtype=%s head_dim=%d group=%d "
-                                "block=%d failed its first-use check (%s); using the reference",
-                                choice.backend, component, *g.variant(), _VERDICTS[key])
-            why = _VERDICTS[key]
+            why = _VERDICTS[(backend, component, g.variant())]
             if why is None:
                 continue
             if self.strict or self.path != "auto":
@@ -185,6 +180,25 @@ class Dispatcher:
             return Choice("reference", f"{choice.backend} {component} kernel failed its "
                                        f"first-use check: {why}")
         return choice
+
+    @staticmethod
+    def _check_all(name: str, backend: KernelBackend, g: Geometry, needed: tuple[str, ...]):
+        """The canary for the kernels a choice runs and, with them, for every other kernel of
+        the backend this variant supports: a server's warm-up then builds and checks them all,
+        and no request waits for a check (the page gather's took 1.5-2.4 s on the H200) when
+        a later step is the first to take another path."""
+        checks = {"attention": (backend.attention.unsupported_reason(g), canary.check_attention),
+                  "gather": (backend.gather.unsupported_reason(g.dtype, g.head_dim),
+                             canary.check_gather)}
+        for component, (unsupported, check) in checks.items():
+            key = (backend, component, g.variant())
+            if key in _VERDICTS or (unsupported is not None and component not in needed):
+                continue
+            _VERDICTS[key] = check(backend, g)
+            if _VERDICTS[key]:
+                log.warning("paged attention: %s %s kernel for dtype=%s head_dim=%d group=%d "
+                            "block=%d failed its first-use check (%s); using the reference",
+                            name, component, *g.variant(), _VERDICTS[key])
 
     def _runner(self, choice: Choice, meta: AttentionMetadata, g: Geometry) -> tuple:
         """(checked, unchecked) calls of the chosen path, planned for this forward."""

@@ -259,6 +259,29 @@ def test_canary_checks_every_tile_height(broken_rows, checked):
     assert run(d).path == "fake" and good.heights == [16, 32, None]
 
 
+class BrokenGather(FakeGather):
+    """Copies V where K belongs: a page gather that computes wrong numbers."""
+
+    def launch(self, k_cache, v_cache, tables, plan):
+        return [(v, v) for _, v in super().launch(k_cache, v_cache, tables, plan)]
+
+
+def test_the_first_forward_checks_every_kernel_of_the_backend(caplog):
+    """A kernel-path forward checks the page gather too, once: the first later step that
+    would run it (here a forced sdpa forward, strict) needs no check inside a request and
+    acts on the verdict already logged."""
+    attention = CountingAttention()
+    backend = KernelBackend("fake", attention, BrokenGather(), lambda cu, lens, g: None)
+    with caplog.at_level(logging.WARNING, logger="paged_prefix.dispatch"):
+        assert run(Dispatcher("auto", backends={"fake": backend}, strict=True)).path == "fake"
+    warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert len(warnings) == 1 and "fake gather kernel" in warnings[0]
+    checks = attention.plans
+    with pytest.raises(RuntimeError, match="gather kernel .* failed its first-use check"):
+        run(Dispatcher("sdpa", backends={"fake": backend}))
+    assert attention.plans == checks and len(caplog.records) == 1  # no check ran again
+
+
 @pytest.mark.parametrize("path", ["auto", "fake"])
 def test_canary_failure_raises_when_strict_or_forced(path):
     d = Dispatcher(path, backends={"fake": fake_backend(error=0.02)}, strict=path == "auto")
