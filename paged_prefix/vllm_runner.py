@@ -199,9 +199,11 @@ class VllmModelRunner:
             idle = "" if self._last_step_end is None else \
                 f", {1e3 * (start - self._last_step_end):.1f} ms after the last step"
             logger.debug("step: %d sequences (%d of one token), %d tokens after %d already in the "
-                         "cache; forward %.1f ms (%.1f ms of it building the graph)%s", len(q),
-                         int((q == 1).sum()), int(q.sum()), int(meta.attn.context_lens_host.sum()),
-                         1e3 * (time.perf_counter() - start), 1e3 * (built - start), idle)
+                         "cache, %s attention; forward %.1f ms (%.1f ms of it building the "
+                         "graph)%s", len(q), int((q == 1).sum()), int(q.sum()),
+                         int(meta.attn.context_lens_host.sum()),
+                         self.runner.dispatcher.last.path, 1e3 * (time.perf_counter() - start),
+                         1e3 * (built - start), idle)
         self.requests = requests
         self._pending = (_Step(requests, req_ids, meta), logits)
         return None

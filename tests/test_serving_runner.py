@@ -277,7 +277,8 @@ def test_debug_log_says_where_each_steps_time_goes(caplog):
     lines = [r.getMessage() for r in caplog.records if r.name == "paged_prefix.vllm_runner"]
     assert len(lines) == 4
     assert lines[0].startswith("step: 1 sequences (0 of one token), 20 tokens after 0 already "
-                               "in the cache; forward ")
+                               f"in the cache, {runner.runner.dispatcher.last.path} attention; "
+                               "forward ")
     assert "of it building the graph" in lines[0] and "after the last step" not in lines[0]
     assert lines[1].startswith("step: sampled 1 rows in ")
     assert lines[2].startswith("step: 1 sequences (1 of one token), 1 tokens after 20 ")
