@@ -137,8 +137,8 @@ class VllmModelRunner:
                              f"{2 * per_request} blocks, the cache has {cache.num_blocks}")
         tokens = [i % self.vocab_size for i in range(num_tokens + 1)]
         # Every other block: a long prefill's rows then land in many runs of slots, so its
-        # cache writes take the scatter (MLX's CUDA backend compiles its scatter kernels on
-        # first use, seconds), while the decode rows' two runs take the slice updates.
+        # cache writes take the scatter (MLX's CUDA backend compiles its scatter kernels with
+        # NVRTC on first use), while the decode rows' two runs take the slice updates.
         first, second = list(range(0, 2 * per_request, 2)), list(range(1, 2 * per_request, 2))
         meta = build_batch_metadata([
             ScheduledRequest("warmup-prefill", tokens[:num_tokens], num_tokens, 0, num_tokens,
