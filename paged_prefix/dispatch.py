@@ -187,12 +187,14 @@ class Dispatcher:
         the backend this variant supports: a server's warm-up then builds and checks them all,
         and no request waits for a check (the page gather's took 1.5-2.4 s on the H200) when
         a later step is the first to take another path."""
-        checks = {"attention": (backend.attention.unsupported_reason(g), canary.check_attention),
-                  "gather": (backend.gather.unsupported_reason(g.dtype, g.head_dim),
+        checks = {"attention": (lambda: backend.attention.unsupported_reason(g),
+                                canary.check_attention),
+                  "gather": (lambda: backend.gather.unsupported_reason(g.dtype, g.head_dim),
                              canary.check_gather)}
         for component, (unsupported, check) in checks.items():
             key = (backend, component, g.variant())
-            if key in _VERDICTS or (unsupported is not None and component not in needed):
+            # every forward comes here: once checked, a kernel costs a lookup
+            if key in _VERDICTS or (component not in needed and unsupported() is not None):
                 continue
             _VERDICTS[key] = check(backend, g)
             if _VERDICTS[key]:
