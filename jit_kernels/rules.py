@@ -89,7 +89,8 @@ class CudaSdpaRule:
       so mixing adds no build stall to those that batches of long prefills pay anyway. (Served
       on the H200, 16 requests sharing 4 prefixes, prefix caching on: TTFT p50 4998 ms with
       mixed batches free to build graphs, 4372 ms under this rule, where no step mixed; both
-      far from the previous round's 1319 ms, for reasons not established: docs/gpu.md.)
+      runs also carried a seconds-long first decode-only step inside requests, since moved
+      into the server's warm-up: docs/gpu.md, "Serving on the H200".)
 
     (With every graph built, SDPA and the kernel took about the same time over a chunked
     prefill of 32 prompts: 467 vs 448 ms.) MLX keeps the graphs in a least-recently-used cache
