@@ -21,14 +21,16 @@ from .metal_paged_attention import MetalPagedAttention
 from .page_gather import PageGather
 from .support import Geometry
 
-SdpaRule = Callable[[np.ndarray, np.ndarray, Geometry], "rules.SdpaPick | None"]
+SdpaRule = Callable[[np.ndarray, np.ndarray, Geometry, np.ndarray | None],
+                    "rules.SdpaPick | None"]
 
 
 @dataclass(frozen=True, eq=False)
 class KernelBackend:
-    """One device's kernels. `prefers_sdpa(cu_seqlens_q, seq_lens, geometry)` returns the
-    sequences for which gather + SDPA beats the paged kernel and why (`rules.SdpaPick`, a
-    measured rule), or None."""
+    """One device's kernels. `prefers_sdpa(cu_seqlens_q, seq_lens, geometry, block_tables)`
+    returns the sequences for which SDPA (over gathered pages, or K/V read in place where the
+    host block table allows) beats the paged kernel and why (`rules.SdpaPick`, a measured
+    rule), or None."""
 
     name: str
     attention: CudaPagedAttention | MetalPagedAttention

@@ -1,12 +1,21 @@
 """Attention on contiguous K/V, one `mx.fast.scaled_dot_product_attention` per sequence.
 
-A sequence with nothing cached attends over its own new K/V rows and never reads the cache
-back (what mlx-lm does with its contiguous cache); one with a cached prefix attends over its
-pages copied out by a gather: a backend's page-gather kernel (one launch for the batch), or
-MLX's own take (`reference.gather_kv`) where no kernel exists. The contract is the reference's
-plus the new rows `k`, `v` [T, Hkv, D], which the cache already holds; the caches may also come
-as stored (`support.as_pages`), which the gather kernel reads with no view op. A plan may hold
-only some of a batch's sequences (the dispatcher's mixed path: the paged kernel runs the rest).
+Where a sequence's K/V come from, decided once per forward by `plan_sdpa`:
+- nothing cached: its own new K/V rows; the cache is never read back (what mlx-lm does with its
+  contiguous cache);
+- its pages are one run of consecutive blocks (a plan given the host block table sees that):
+  those rows of the cache, read in place as a strided view, as mlx-lm's SDPA reads its cache;
+  vLLM's allocator hands a lone request's blocks out in order;
+- otherwise: its pages copied out by a gather: a backend's page-gather kernel (one launch for
+  the batch), or MLX's own take (`reference.gather_kv`) where no kernel exists.
+The first two give SDPA the same layout ([L, Hkv, D] rows seen heads first), the gather another
+([Hkv, L, D]); MLX builds one cuDNN graph per layout and shape (see `rules.CudaSdpaRule`).
+
+The contract is the reference's plus the new rows `k`, `v` [T, Hkv, D], which the cache already
+holds; the caches may also come as stored (`support.as_pages`), which the gather kernel reads
+with no view op. A plan made with a host block table holds the blocks it reads in place: the
+calls must pass the same table. A plan may hold only some of a batch's sequences (the
+dispatcher's mixed path: the paged kernel runs the rest).
 """
 
 from __future__ import annotations
@@ -19,34 +28,43 @@ import numpy as np
 import reference
 
 from .page_gather import GatherPlan, PageGather, plan_gather
-from .support import Geometry, Lengths, as_pages, check_call
+from .support import Geometry, Lengths, as_pages, as_rows, check_call, page_runs
 
 
 @dataclass(frozen=True)
 class SdpaPlan:
     geometry: Geometry
     lengths: Lengths
-    # per planned sequence: its rows of q (start, end) and its index in the gather's output, or
-    # -1 when nothing is cached (it attends over its new rows)
-    rows: tuple[tuple[int, int, int], ...]
-    gather: GatherPlan  # the planned sequences with a cached prefix, in batch order
+    # per planned sequence: its rows of q (start, end) and where its K/V come from: an int, its
+    # index in the gather's output; a slice, its rows of the cache, read in place; None, its
+    # own new rows (nothing cached)
+    rows: tuple[tuple[int, int, int | slice | None], ...]
+    gather: GatherPlan  # the planned sequences to gather, in batch order
     whole: bool  # one sequence holding every row of q: no slicing (each slice is an op a layer)
+    cache_rows: int  # the cache rows the reads in place need: the caches must hold as many
 
 
 def plan_sdpa(cu_seqlens_q: np.ndarray, seq_lens: np.ndarray, geometry: Geometry,
-              seqs=None) -> SdpaPlan:
-    """`seqs`: plan only these sequences (sorted batch indices); None plans all."""
+              seqs=None, block_tables=None) -> SdpaPlan:
+    """`seqs`: plan only these sequences (sorted batch indices); None plans all.
+    `block_tables`: the host copy of the table the calls will pass; with it a sequence whose
+    pages are one run of consecutive blocks is read in place, not gathered."""
     lengths = Lengths.of(cu_seqlens_q, seq_lens)
     picked = lengths.subset(seqs)
     cu, lens = lengths.cu_seqlens_q.tolist(), lengths.seq_lens.tolist()
     planned = range(len(lens)) if picked is None else picked.tolist()
-    cached = [s for s in planned if lens[s] > cu[s + 1] - cu[s]]
-    index = {s: i for i, s in enumerate(cached)}
-    rows = tuple((cu[s], cu[s + 1], index.get(s, -1)) for s in planned)
     g = geometry
-    return SdpaPlan(g, lengths, rows, plan_gather(lengths.seq_lens, cached, g.block_size,
+    cached = [s for s in planned if lens[s] > cu[s + 1] - cu[s]]
+    runs = {} if block_tables is None else page_runs(block_tables, lengths.seq_lens, cached,
+                                                     g.block_size)
+    in_place = {s: slice(b * g.block_size, b * g.block_size + lens[s]) for s, b in runs.items()}
+    gathered = [s for s in cached if s not in in_place]
+    source = {**in_place, **{s: i for i, s in enumerate(gathered)}}
+    rows = tuple((cu[s], cu[s + 1], source.get(s)) for s in planned)
+    return SdpaPlan(g, lengths, rows, plan_gather(lengths.seq_lens, gathered, g.block_size,
                                                   g.num_kv_heads, g.head_dim, g.dtype),
-                    whole=rows[0][:2] == (0, cu[-1]))
+                    whole=rows[0][:2] == (0, cu[-1]),
+                    cache_rows=max((r.stop for r in in_place.values()), default=0))
 
 
 def sdpa_attention(
@@ -71,6 +89,9 @@ def check_sdpa_call(q: mx.array, k: mx.array, v: mx.array, k_cache: mx.array,
     want = (q.shape[0], pages.shape[2], pages.shape[3])
     if k.shape != want or v.shape != want:
         raise ValueError(f"k, v: new rows must be {want}, got {k.shape} and {v.shape}")
+    if plan.cache_rows > pages.shape[0] * pages.shape[1]:
+        raise ValueError(f"block_tables: the plan reads cache rows up to {plan.cache_rows}, the "
+                         f"caches hold {pages.shape[0] * pages.shape[1]}")
     if gather is not None and plan.gather.seqs:
         gather.check(k_cache, v_cache, plan.gather)
 
@@ -111,14 +132,19 @@ def attend_rows(
                     for s, n in zip(g.seqs, g.seq_lens)]
     else:
         gathered = gather.launch(k_cache, v_cache, block_tables, g)
+    rows = None  # the caches' token rows, viewed once per call
     outs = []
-    for start, end, i in plan.rows:
-        if i >= 0:
-            ks, vs = gathered[i]
-        else:  # in the cache's dtype, so both sources give the same numbers
-            ks, vs = (x if plan.whole else x[start:end] for x in (k, v))
-            if ks.dtype != geometry.dtype:
-                ks, vs = ks.astype(geometry.dtype), vs.astype(geometry.dtype)
+    for start, end, source in plan.rows:
+        if isinstance(source, int):
+            ks, vs = gathered[source]
+        else:
+            if source is None:  # in the cache's dtype, so every source gives the same numbers
+                ks, vs = (x if plan.whole else x[start:end] for x in (k, v))
+                if ks.dtype != geometry.dtype:
+                    ks, vs = ks.astype(geometry.dtype), vs.astype(geometry.dtype)
+            else:
+                rows = rows or (as_rows(k_cache, geometry), as_rows(v_cache, geometry))
+                ks, vs = rows[0][source], rows[1][source]
             ks, vs = reference.heads_first(ks), reference.heads_first(vs)
         qs = reference.heads_first(q if plan.whole else q[start:end])
         outs.append(reference.tokens_first(reference.sdpa(qs, ks, vs, geometry.scale)))

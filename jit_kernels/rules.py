@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from .support import Geometry
+from .support import Geometry, page_runs
 
 # CUDA (H200, bf16, H=32, Hkv=8, D=128, block 16, one sequence; bench/attention_sweep.py, the
 # sweep in docs/h200/sweep.json). us per call, SDPA (on gathered K/V, or on the new rows when
@@ -50,8 +50,8 @@ class SdpaPick:
     reason: str
 
 
-def cuda_prefers_sdpa(cu_seqlens_q: np.ndarray, seq_lens: np.ndarray,
-                      geometry: Geometry) -> SdpaPick | None:
+def cuda_prefers_sdpa(cu_seqlens_q: np.ndarray, seq_lens: np.ndarray, geometry: Geometry,
+                      block_tables: np.ndarray | None = None) -> SdpaPick | None:
     seqs = np.flatnonzero(np.diff(cu_seqlens_q) >= CUDA_SDPA_MIN_Q)
     if not len(seqs):
         return None
@@ -92,6 +92,9 @@ class CudaSdpaRule:
       runs also carried a seconds-long first decode-only step inside requests, since moved
       into the server's warm-up: docs/gpu.md, "Serving on the H200".)
 
+    MLX keys a graph by shape and strides too, and K/V read as rows (new rows, or pages read
+    in place) are laid out otherwise than gathered ones: the rule keeps a shape per layout.
+
     (With every graph built, SDPA and the kernel took about the same time over a chunked
     prefill of 32 prompts: 467 vs 448 ms.) MLX keeps the graphs in a least-recently-used cache
     of MLX_CUDA_SDPA_CACHE_SIZE shapes (default 256); the rule remembers as many shapes asked
@@ -115,14 +118,18 @@ class CudaSdpaRule:
         while len(memory) > self.capacity:
             memory.popitem(last=False)
 
-    def __call__(self, cu_seqlens_q: np.ndarray, seq_lens: np.ndarray,
-                 geometry: Geometry) -> SdpaPick | None:
+    def __call__(self, cu_seqlens_q: np.ndarray, seq_lens: np.ndarray, geometry: Geometry,
+                 block_tables: np.ndarray | None = None) -> SdpaPick | None:
         pick = cuda_prefers_sdpa(cu_seqlens_q, seq_lens, geometry)
         if pick is None:
             return None
         g, q_lens = geometry, np.diff(cu_seqlens_q)
+        # K/V read as rows (new, or pages read in place) or gathered: a graph for each layout
+        runs = {} if block_tables is None else page_runs(block_tables, seq_lens, pick.seqs,
+                                                         g.block_size)
         shapes = {s: (g.num_heads, g.num_kv_heads, g.head_dim, g.dtype, int(q_lens[s]),
-                      int(seq_lens[s])) for s in pick.seqs}
+                      int(seq_lens[s]), bool(q_lens[s] == seq_lens[s]) or s in runs)
+                  for s in pick.seqs}
         if len(pick.seqs) < len(seq_lens):  # mixed: only graphs built already
             built = tuple(s for s in pick.seqs if shapes[s] in self._built)
             self._touch(self._built, (shapes[s] for s in built))
@@ -139,8 +146,8 @@ class CudaSdpaRule:
                                    "built)")
 
 
-def metal_prefers_sdpa(cu_seqlens_q: np.ndarray, seq_lens: np.ndarray,
-                       geometry: Geometry) -> SdpaPick | None:
+def metal_prefers_sdpa(cu_seqlens_q: np.ndarray, seq_lens: np.ndarray, geometry: Geometry,
+                       block_tables: np.ndarray | None = None) -> SdpaPick | None:
     q_lens = np.diff(cu_seqlens_q)
     seqs = np.flatnonzero((np.asarray(seq_lens) == q_lens) & (q_lens >= METAL_SDPA_MIN_Q))
     if not len(seqs):

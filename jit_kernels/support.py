@@ -104,6 +104,37 @@ def as_pages(cache: mx.array, geometry: Geometry) -> mx.array:
     return cache.reshape(-1, g.block_size, g.num_kv_heads, g.head_dim)
 
 
+def as_rows(cache: mx.array, geometry: Geometry) -> mx.array:
+    """A cache array as [num_blocks * BS, Hkv, D] of the geometry's dtype: its token rows, as a
+    view of its bytes (the stored form, or pages)."""
+    g = geometry
+    if cache.dtype != g.dtype:
+        cache = cache.view(g.dtype)
+    if cache.ndim == 3 and cache.shape[1:] == (g.num_kv_heads, g.head_dim):
+        return cache
+    return cache.reshape(-1, g.num_kv_heads, g.head_dim)
+
+
+def page_runs(block_tables, seq_lens: np.ndarray, seqs, block_size: int) -> dict[int, int]:
+    """Of the sequences `seqs`, those whose pages are one run of consecutive blocks (b, b + 1,
+    ...: their K/V are contiguous rows of the cache, readable in place), each with its first
+    block. `block_tables`: the host copy of the table the calls pass, [S, max_blocks]."""
+    table = np.asarray(block_tables)
+    if table.ndim != 2 or table.dtype.kind not in "iu" or len(table) != len(seq_lens):
+        raise ValueError(f"block_tables: expected a host [{len(seq_lens)}, max_blocks] integer "
+                         f"table, got {table.dtype} of shape {table.shape}")
+    runs = {}
+    for s in seqs:
+        n = -(-int(seq_lens[s]) // block_size)
+        if n > table.shape[1]:
+            raise ValueError(f"block_tables: sequence {s} holds {int(seq_lens[s])} tokens and "
+                             f"needs {n} blocks, the table has {table.shape[1]} columns")
+        row = table[s, :n].astype(np.int64)
+        if row[0] >= 0 and (np.diff(row) == 1).all():
+            runs[int(s)] = int(row[0])
+    return runs
+
+
 def check_call(backend: str, geometry: Geometry, q: mx.array, k_cache: mx.array,
                v_cache: mx.array, block_tables: mx.array, lengths: Lengths) -> None:
     """A kernel's per-call entry check (shapes only): the contract, then the plan's geometry."""

@@ -5,8 +5,9 @@
 
 Paths:
   reference  MLX gather + SDPA per sequence (`reference.paged_attention`), the oracle;
-  sdpa       SDPA per sequence over the new K/V when nothing is cached, else over pages copied
-             by the backend's page-gather kernel (MLX's take where there is none);
+  sdpa       SDPA per sequence over the new K/V when nothing is cached, else over its pages:
+             read in place when they are one run of consecutive blocks, else copied by the
+             backend's page-gather kernel (MLX's take where there is none);
   cuda/metal the backend's paged kernel: one launch for the whole batch;
   mixed      (auto only) both, when the backend's rule picks SDPA for some sequences of a
              batch only (long prefills next to decode rows): one kernel launch for the rest,
@@ -132,7 +133,8 @@ class Dispatcher:
         why_not = backend.attention.unsupported_reason(g)
         if why_not:
             return Choice("sdpa", f"{name} kernel: {why_not}", self._gather_backend(g))
-        pick = backend.prefers_sdpa(meta.cu_seqlens_q_host, meta.seq_lens_host, g)
+        pick = backend.prefers_sdpa(meta.cu_seqlens_q_host, meta.seq_lens_host, g,
+                                    meta.block_tables_host)
         if pick is None:
             return Choice(name, "kernel supports the call and the measured rule picks it", name)
         if len(pick.seqs) == len(meta.seq_lens_host):
@@ -211,7 +213,7 @@ class Dispatcher:
                                                  lens, g.scale)
             return ref, ref
         if choice.path == "sdpa":
-            plan = plan_sdpa(cu, lens, g)
+            plan = plan_sdpa(cu, lens, g, block_tables=meta.block_tables_host)
             gather = self.backends[choice.backend].gather if choice.backend else None
             return (lambda q, k, v, kc, vc: sdpa_attention(q, k, v, kc, vc, tables, plan, gather),
                     lambda q, k, v, kc, vc: attend(q, k, v, kc, vc, tables, plan, gather))
@@ -219,7 +221,8 @@ class Dispatcher:
         if choice.path == "mixed":
             picked = set(choice.sdpa_seqs)
             plan = kernel.plan(cu, lens, g, seqs=[s for s in range(len(lens)) if s not in picked])
-            sdpa = plan_sdpa(cu, lens, g, seqs=choice.sdpa_seqs)
+            sdpa = plan_sdpa(cu, lens, g, seqs=choice.sdpa_seqs,
+                             block_tables=meta.block_tables_host)
             gather = self.backends[choice.backend].gather
 
             def checked(q, k, v, kc, vc):

@@ -80,10 +80,12 @@ class PagedCase:
 
     Pages no sequence owns hold NaN, and every block-table entry past a sequence's pages points
     at one of them, so a kernel that reads a wrong page or through padding produces NaN.
+    `runs[s]` true gives sequence s one run of consecutive blocks instead, past the shuffled
+    ones, with an unowned (NaN) block before and after it.
     """
 
     def __init__(self, q_lens, ctx_lens, num_heads, num_kv_heads, head_dim, block_size, dtype,
-                 seed=0, num_blocks=None, high_blocks=False, q_scale=1.0):
+                 seed=0, num_blocks=None, high_blocks=False, q_scale=1.0, runs=None):
         rng = np.random.default_rng(seed)
         self.seq_lens = np.array([c + q for q, c in zip(q_lens, ctx_lens)], dtype=np.int64)
         self.cu_seqlens_q = np.concatenate([[0], np.cumsum(q_lens)]).astype(np.int64)
@@ -97,6 +99,11 @@ class PagedCase:
         starts = np.cumsum(needed) - needed
         for s, (a, n) in enumerate(zip(starts, needed)):
             table[s, :n] = ids[a:a + n]
+        if runs is not None:  # past the shuffled pages, with an unowned block around each run
+            for s in np.flatnonzero(runs):
+                table[s, :needed[s]] = np.arange(num_blocks + 1, num_blocks + 1 + needed[s])
+                num_blocks += int(needed[s]) + 1
+            num_blocks += 1
         self.tables = table
         self.pages = [table[s, :n].tolist() for s, n in enumerate(needed)]  # without padding
         shape = (num_blocks * block_size, num_kv_heads, head_dim)

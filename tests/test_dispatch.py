@@ -71,7 +71,7 @@ class FakeGather:
 
 def fake_backend(rule=None, **broken):
     return KernelBackend("fake", FakeAttention(**broken), FakeGather(),
-                         rule or (lambda cu, lens, g: None))
+                         rule or (lambda cu, lens, g, tables: None))
 
 
 @pytest.fixture(autouse=True)
@@ -111,7 +111,7 @@ def test_auto_takes_the_kernel_when_it_supports_the_call():
 
 
 def test_auto_follows_the_backends_rule_and_support():
-    rule = fake_backend(rule=lambda cu, lens, g: SdpaPick((0, 1), "measured faster"))
+    rule = fake_backend(rule=lambda cu, lens, g, tables: SdpaPick((0, 1), "measured faster"))
     choice = run(Dispatcher("auto", backends={"fake": rule}, strict=True))
     assert (choice.path, choice.reason, choice.backend) == ("sdpa", "measured faster", "fake")
     d = Dispatcher("auto", backends={"fake": fake_backend()}, strict=True)
@@ -138,7 +138,7 @@ def test_a_batch_planned_again_reuses_its_plan_per_chosen_path():
     plans afresh."""
     asked = set()
 
-    def second_time_sdpa(cu, lens, g):  # rules.CudaSdpaRule's shape memory, in small
+    def second_time_sdpa(cu, lens, g, tables):  # rules.CudaSdpaRule's shape memory, in small
         key = tuple(np.diff(cu))
         seen = key in asked
         asked.add(key)
@@ -185,6 +185,38 @@ def test_auto_mixes_sdpa_and_the_kernel_when_the_rule_picks_some_sequences(q_len
     assert choice.components() == ("attention", "gather")
     # the canary planned the whole batch; the forward planned the others only
     assert backend.attention.planned[-1] == [s for s in range(len(q_lens)) if s not in sdpa_seqs]
+
+
+@dataclass
+class CountingGather(FakeGather):
+    launched: list = field(default_factory=list)  # each launch's sequences
+
+    def launch(self, k_cache, v_cache, tables, plan):
+        self.launched.append(plan.seqs)
+        return super().launch(k_cache, v_cache, tables, plan)
+
+
+@pytest.mark.parametrize("picked,path", [((0, 1, 2), "sdpa"), ((0, 1), "mixed")])
+def test_sdpa_reads_a_run_of_pages_in_place_and_gathers_the_rest(picked, path):
+    """The dispatcher hands the host block table to the rule and to the SDPA plan: sequence 0's
+    pages are one run of blocks, read in place; only sequence 1's are gathered."""
+    tables = []
+
+    def rule(cu, lens, g, table):
+        tables.append(table)
+        return SdpaPick(picked, "measured faster")
+    gather = CountingGather()
+    d = Dispatcher("auto", backends={"fake": KernelBackend("fake", FakeAttention(), gather,
+                                                           rule)}, strict=True)
+    c = PagedCase([9, 3, 1], [20, 40, 30], 8, 2, 64, 16, mx.float16, seed=2,
+                  runs=[True, False, True])
+    meta = build_attention_metadata([9, 3, 1], [20, 40, 30], c.pages, 16, c.num_blocks)
+    attention = d.plan(meta, GEOMETRY)
+    gather.launched.clear()  # the first-use check's
+    out = attention(c.q, c.k_new, c.v_new, c.k_cache, c.v_cache)
+    assert_close(out, c.oracle(0.125), mx.float16)
+    assert d.last.path == path and gather.launched == [(1,)]
+    assert tables[-1] is meta.block_tables_host
 
 
 def test_mixed_path_layers_after_the_first_take_the_unchecked_launch(pick_long):
@@ -247,14 +279,14 @@ def test_canary_checks_every_tile_height(broken_rows, checked):
     not when a request's batch first needs it."""
     attention = TwoHeightAttention(broken_rows=broken_rows)
     d = Dispatcher("auto", backends={"fake": KernelBackend("fake", attention, FakeGather(),
-                                                           lambda cu, lens, g: None)},
+                                                           lambda cu, lens, g, tables: None)},
                    strict=False)
     choice = run(d)
     assert choice.path == "reference" and f"{broken_rows}-row query tiles" in choice.reason
     assert attention.heights == checked  # a failure ends the check
     good = TwoHeightAttention(broken_rows=0)
     d = Dispatcher("auto", backends={"fake": KernelBackend("fake", good, FakeGather(),
-                                                           lambda cu, lens, g: None)}, strict=True)
+                                                           lambda cu, lens, g, tables: None)}, strict=True)
     dispatch._VERDICTS.clear()
     assert run(d).path == "fake" and good.heights == [16, 32, None]
 
@@ -271,7 +303,7 @@ def test_the_first_forward_checks_every_kernel_of_the_backend(caplog):
     would run it (here a forced sdpa forward, strict) needs no check inside a request and
     acts on the verdict already logged."""
     attention = CountingAttention()
-    backend = KernelBackend("fake", attention, BrokenGather(), lambda cu, lens, g: None)
+    backend = KernelBackend("fake", attention, BrokenGather(), lambda cu, lens, g, tables: None)
     with caplog.at_level(logging.WARNING, logger="paged_prefix.dispatch"):
         assert run(Dispatcher("auto", backends={"fake": backend}, strict=True)).path == "fake"
     warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]

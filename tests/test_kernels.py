@@ -413,6 +413,23 @@ def test_cuda_rule_mixes_only_shapes_whose_graphs_are_built():
     assert rule(mixed_cu, mixed_lens, g) is None
 
 
+def test_cuda_rule_keeps_a_shape_per_layout():
+    """K/V read as rows (pages in one run of blocks, read in place) and gathered K/V are two
+    cuDNN graphs: a shape whose graph one layout built is new to the other. Without a table
+    the SDPA plan gathers, and so does the rule count."""
+    g = Geometry(32, 8, 128, 16, mx.bfloat16, 128 ** -0.5)
+    rule = rules.CudaSdpaRule()
+    cu, lens = np.array([0, 512]), np.array([4096])
+    run = np.arange(3, 3 + 256, dtype=np.int32)[None]
+    scattered = run[:, ::-1].copy()
+    assert rule(cu, lens, g, run) is None
+    assert rule(cu, lens, g, run).seqs == (0,)
+    assert rule(cu, lens, g, scattered) is None
+    assert rule(cu, lens, g) is not None  # the same gathered layout
+    assert rule(np.array([0, 512, 513]), np.array([4096, 40]), g, np.vstack([run, run])).seqs \
+        == (0,)  # a mixed batch: its run's graph is built
+
+
 @pytest.mark.parametrize("q_len,ctx,splits", [
     (16, 1024, 3), (16, 4096, 9), (16, 16384, 17), (64, 4096, 5), (64, 16384, 5),
 ])

@@ -2,8 +2,9 @@
 
 Each case draws 1-4 sequences (decode rows, short and long suffixes, hits of 0 .. 150 tokens),
 the block size, GQA group, kv heads, head dim, dtype and a score regime (|scale q.k| up to
-~150), on shuffled pages of a cache whose unowned pages and table padding are NaN. Every
-output element must be within the dtype's (atol, rtol) of the float64 oracle.
+~150), on shuffled pages of a cache whose unowned pages and table padding are NaN; about half
+the sequences get one run of consecutive blocks instead, which the sdpa path reads in place.
+Every output element must be within the dtype's (atol, rtol) of the float64 oracle.
 """
 
 import mlx.core as mx
@@ -29,7 +30,8 @@ def draw(rng: np.random.Generator) -> dict:
                 num_kv_heads=num_kv_heads, head_dim=int(rng.choice([64, 128])),
                 block_size=int(rng.choice([8, 16, 32])),
                 dtype=DTYPE_CHOICES[int(rng.integers(3))],
-                seed=int(rng.integers(2**31)), q_scale=float(rng.choice([1.0, 8.0, 40.0])))
+                seed=int(rng.integers(2**31)), q_scale=float(rng.choice([1.0, 8.0, 40.0])),
+                runs=[bool(rng.random() < 0.5) for _ in range(num_seqs)])
 
 
 @pytest.mark.parametrize("path", ["reference", "sdpa"])
@@ -47,5 +49,6 @@ def test_random_layouts_match_float64_oracle(path, chunk):
             g = Geometry(case["num_heads"], case["num_kv_heads"], case["head_dim"],
                          case["block_size"], case["dtype"], scale)
             out = sdpa_attention(c.q, c.k_new, c.v_new, c.k_cache, c.v_cache, c.block_tables,
-                                 plan_sdpa(c.cu_seqlens_q, c.seq_lens, g))
+                                 plan_sdpa(c.cu_seqlens_q, c.seq_lens, g,
+                                           block_tables=c.tables))
         assert_close(out, c.oracle(scale), case["dtype"], f"{path} {case}", case["q_scale"])

@@ -52,6 +52,49 @@ def test_sdpa_path_equals_reference(dtype):
                                   np.array(run_reference(c, 0.125).astype(mx.float32)))
 
 
+@pytest.mark.parametrize("dtype", DTYPES.values(), ids=DTYPES.keys())
+def test_sdpa_path_reads_runs_of_pages_in_place(dtype, monkeypatch):
+    """A cached sequence whose pages are one run of consecutive blocks is read in place (a
+    view of the cache, NaN blocks either side), the others gathered: the oracle's numbers from
+    the stored form too, and on the CPU the reference's bit for bit (a GPU's SDPA may pick
+    another kernel for another K/V layout)."""
+    c = PagedCase([9, 1, 30, 4, 16], [40, 70, 0, 0, 33], 8, 2, 64, 16, dtype, seed=6,
+                  runs=[True, False, True, True, True])
+    g = Geometry(8, 2, 64, 16, dtype, 0.125)
+    plan = plan_sdpa(c.cu_seqlens_q, c.seq_lens, g, block_tables=c.tables)
+    assert plan.gather.seqs == (1,)  # 2 and 3 have nothing cached, 0 and 4 are runs
+    assert [type(source) for *_, source in plan.rows] == [slice, int, type(None), type(None),
+                                                          slice]
+    gathered = []
+    monkeypatch.setattr(reference, "gather_kv",
+                        lambda *a, gather_kv=reference.gather_kv: gathered.append(a[3])
+                        or gather_kv(*a))
+    want = np.array(run_reference(c, 0.125).astype(mx.float32))
+    gathered.clear()
+    stored = [x.reshape(-1, 2, 64).view(mx.uint32) for x in (c.k_cache, c.v_cache)]
+    for k_cache, v_cache in ((c.k_cache, c.v_cache), stored):
+        out = sdpa_attention(c.q, c.k_new, c.v_new, k_cache, v_cache, c.block_tables, plan)
+        assert_close(out, c.oracle(0.125), dtype)
+        if mx.default_device() == mx.cpu:
+            np.testing.assert_array_equal(np.array(out.astype(mx.float32)), want)
+    assert gathered == [int(c.seq_lens[1])] * 2  # one gather per call: sequence 1's
+    with pytest.raises(ValueError, match="block_tables: the plan reads cache rows"):
+        sdpa_attention(c.q, c.k_new, c.v_new, c.k_cache[:-2], c.v_cache[:-2], c.block_tables,
+                       plan)
+
+
+@pytest.mark.parametrize("table, match", [
+    (np.zeros((2, 9), dtype=np.int32), "host \\[5, max_blocks\\] integer table"),
+    (np.zeros((5, 9), dtype=np.float32), "host \\[5, max_blocks\\] integer table"),
+    (np.zeros((5, 3), dtype=np.int32), "sequence 0 holds 49 tokens and needs 4 blocks"),
+])
+def test_sdpa_plan_refuses_a_bad_block_table(table, match):
+    c = PagedCase([9, 1, 30, 4, 16], [40, 70, 0, 0, 33], 8, 2, 64, 16, mx.float32, seed=6)
+    with pytest.raises(ValueError, match=match):
+        plan_sdpa(c.cu_seqlens_q, c.seq_lens, Geometry(8, 2, 64, 16, mx.float32, 0.125),
+                  block_tables=table)
+
+
 def test_oracle_catches_a_wrong_page():
     """A test that cannot fail proves nothing: read one wrong page and the check must trip.
 
