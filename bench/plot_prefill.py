@@ -30,7 +30,8 @@ def main() -> None:
     parser.add_argument("--out", type=Path, default=None, help="PNG path (needs matplotlib)")
     args = parser.parse_args()
     rows = load(args.json)
-    impls = [i for i in ("auto", "sdpa", "kernel") if any(i in r for r in rows.values())]
+    impls = [i for i in ("auto", "auto-scattered", "sdpa", "kernel")
+             if any(i in r for r in rows.values())]
     print(f"{'model':<10}{'prompt':>7}{'hit':>7}{'mlx-lm ms':>11}"
           + "".join(f"{i + ' ms':>11}{i + '/mlx':>11}" for i in impls))
     for (model, prompt_len, hit), r in sorted(rows.items()):

@@ -37,7 +37,8 @@ def main() -> None:
         s = setup_for(name, prompt_len)
         for fraction in HIT_FRACTIONS:
             hit = hit_tokens(prompt_len, fraction)
-            steps = {"mlx-lm": s.mlx_lm_prefill(hit), "auto": s.paged_prefill(hit, "auto")}
+            steps = {"mlx-lm": s.mlx_lm_prefill(hit), "auto": s.paged_prefill(hit, "auto"),
+                     "auto-scattered": s.paged_prefill(hit, "auto", "scattered")}
             for step in steps.values():  # warm: compile, cuDNN graphs, the rule's second ask
                 for _ in range(3):
                     step()
@@ -55,6 +56,8 @@ def main() -> None:
                    "path": s.runner.dispatcher.last.path,
                    **{f"{impl}_ms": statistics.median(t) for impl, t in times.items()}}
             row["auto_over_mlx_lm"] = row["auto_ms"] / row["mlx-lm_ms"]
+            row["scattered_path"] = s.runners["scattered"].dispatcher.last.path
+            row["scattered_over_mlx_lm"] = row["auto-scattered_ms"] / row["mlx-lm_ms"]
             rows.append(row)
             print(json.dumps(row), flush=True)
     Path(args.out).write_text(json.dumps(rows, indent=1))

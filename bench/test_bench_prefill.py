@@ -6,7 +6,11 @@ scheduler hands them out), prefilled by
 
   mlx-lm    mlx-lm's own model and KVCache: the prefix prefilled once, then the suffix forwarded
             (hidden states, the vocabulary projection of the last row only) and trimmed again;
-  auto      the paged runner, attention path chosen by the dispatcher;
+  auto      the paged runner, attention path chosen by the dispatcher, the prompt's pages one
+            run of consecutive blocks (as vLLM's allocator hands them to a lone request: SDPA
+            reads a cached prefix in place);
+  auto-scattered  the same over pages in shuffled blocks (what a busy server's tables look
+            like: a cached prefix is gathered);
   sdpa / kernel   the paged runner with the path forced (GPU only), to re-measure the rule.
 
 Both evaluate the logits and every cache write. With a GPU kernel backend the shapes are a
@@ -36,7 +40,8 @@ SHAPES = [("llama-1b", 4096), ("llama-8b", 4096), ("llama-8b", 16384)] if GPU el
     [("llama-tiny", 512)]
 DTYPE = mx.bfloat16 if GPU else mx.float32
 HIT_FRACTIONS = (0.0, 0.5, 0.875, 0.9)
-IMPLS = ("mlx-lm", "auto", "sdpa", "kernel") if GPU else ("mlx-lm", "auto")
+IMPLS = ("mlx-lm", "auto", "auto-scattered", "sdpa", "kernel") if GPU else (
+    "mlx-lm", "auto", "auto-scattered")
 # Short steps (a few ms, mostly host work) move 10-30% from run to run on a GPU: each row gets
 # as many rounds as fit in ~ROUND_BUDGET_S, within [MIN_ROUNDS, MAX_ROUNDS].
 MIN_ROUNDS, MAX_ROUNDS, ROUND_BUDGET_S = 5, 40, 1.5
@@ -57,29 +62,36 @@ def hit_tokens(prompt_len: int, fraction: float) -> int:
 
 
 class Setup:
-    """One model's weights shared by an unpatched mlx-lm model and a paged runner."""
+    """One model's weights shared by an unpatched mlx-lm model and two paged runners, one per
+    page layout (each its own cache, plan and slots kept from step to step)."""
 
     def __init__(self, name: str, prompt_len: int):
         cfg = resolve_config(name)
         self.name, self.prompt_len = name, prompt_len
         self.dense = build_model(cfg, DTYPE)
-        paged = build_model(cfg, DTYPE, evaluate=False)
-        paged.update(self.dense.parameters())  # the same arrays, not a copy
-        num_blocks = prompt_len // BLOCK_SIZE + 1
-        kv = PagedKVCache(cfg["num_hidden_layers"], num_blocks, BLOCK_SIZE,
-                          cfg["num_key_value_heads"], cfg["head_dim"], DTYPE)
-        self.runner = PagedModelRunner(paged, kv)
-        self.prompt = np.random.default_rng(0).integers(3, cfg["vocab_size"], prompt_len).tolist()
-        self.blocks = list(range(1, num_blocks))
+        rng = np.random.default_rng(0)
+        self.prompt = rng.integers(3, cfg["vocab_size"], prompt_len).tolist()
+        n = -(-prompt_len // BLOCK_SIZE)
+        self.blocks = {"run": list(range(1, n + 1)),
+                       "scattered": rng.permutation(np.arange(1, n + 1)).tolist()}
+        self.runners = {}
+        for layout in self.blocks:
+            paged = build_model(cfg, DTYPE, evaluate=False)
+            paged.update(self.dense.parameters())  # the same arrays, not a copy
+            kv = PagedKVCache(cfg["num_hidden_layers"], n + 1, BLOCK_SIZE,
+                              cfg["num_key_value_heads"], cfg["head_dim"], DTYPE)
+            self.runners[layout] = PagedModelRunner(paged, kv)
+            # Fill the paged cache once so a hit reads real prefix K/V; timed rounds rewrite
+            # the same suffix slots with the same values.
+            self.runners[layout].greedy(self.meta(0, layout))
+        self.runner = self.runners["run"]
         self.cache = make_prompt_cache(self.dense)
-        # Fill the paged cache once so a hit reads real prefix K/V; timed rounds rewrite the
-        # same suffix slots with the same values.
-        self.runner.greedy(self.meta(0))
 
-    def meta(self, hit: int):
+    def meta(self, hit: int, layout: str = "run"):
+        blocks = self.blocks[layout]
         return build_batch_metadata([ScheduledRequest(
-            "r", self.prompt, self.prompt_len, hit, self.prompt_len - hit, self.blocks)],
-            BLOCK_SIZE, len(self.blocks) + 1)
+            "r", self.prompt, self.prompt_len, hit, self.prompt_len - hit, blocks)],
+            BLOCK_SIZE, len(blocks) + 1)
 
     def mlx_lm_prefill(self, hit: int):
         """Prefill the prefix into mlx-lm's cache (untimed); returns the timed suffix step."""
@@ -98,12 +110,12 @@ class Setup:
                 c.trim(self.prompt_len - hit)
         return step
 
-    def paged_prefill(self, hit: int, path: str):
-        self.runner.dispatcher = Dispatcher(path)
-        meta = self.meta(hit)
+    def paged_prefill(self, hit: int, path: str, layout: str = "run"):
+        runner, meta = self.runners[layout], self.meta(hit, layout)
+        runner.dispatcher = Dispatcher(path)
 
         def step():
-            mx.eval(self.runner.forward(meta), self.runner.kv_cache.arrays())
+            mx.eval(runner.forward(meta), runner.kv_cache.arrays())
         return step
 
 
@@ -127,13 +139,16 @@ def test_prefill(benchmark, name, prompt_len, fraction, impl):
     if impl == "kernel" and fraction == 0.0:
         pytest.skip("nothing cached: the kernel path is never chosen")
     step = s.mlx_lm_prefill(hit) if impl == "mlx-lm" else s.paged_prefill(
-        hit, {"kernel": next(iter(available_backends()), "auto")}.get(impl, impl))
+        hit, {"kernel": next(iter(available_backends()), "auto"),
+              "auto-scattered": "auto"}.get(impl, impl),
+        "scattered" if impl == "auto-scattered" else "run")
     benchmark.group = f"{name} {prompt_len} tokens, hit {hit}"
-    before = s.runner.stats.tokens_computed
+    runner = s.runners["scattered" if impl == "auto-scattered" else "run"]
+    before = runner.stats.tokens_computed
     rounds = rounds_for(step)
     benchmark.pedantic(step, rounds=rounds, warmup_rounds=1)
     if impl != "mlx-lm":
-        assert s.runner.stats.tokens_computed - before == (rounds + 4) * (prompt_len - hit)
-        benchmark.extra_info["path"] = s.runner.dispatcher.last.path
+        assert runner.stats.tokens_computed - before == (rounds + 4) * (prompt_len - hit)
+        benchmark.extra_info["path"] = runner.dispatcher.last.path
     benchmark.extra_info.update(model=name, prompt_len=prompt_len, hit=hit, impl=impl,
                                 rounds=rounds)
