@@ -9,9 +9,14 @@ export PYTHONUNBUFFERED=1 PAGED_PREFIX_STRICT_KERNELS=1
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.max.sm --format=csv | tee "$out/gpu.txt"
 python3 -c "import mlx.core as mx; print('mlx', mx.__version__, mx.default_device(), mx.cuda.is_available())" \
     | tee -a "$out/gpu.txt"
-python3 -m pytest -q -p no:cacheprovider -m "not emulated" tests/test_kernels.py \
-    tests/test_runner.py tests/test_dispatch.py tests/test_reference.py tests/test_kv_cache.py \
-    tests/test_linear.py 2>&1 | tee "$out/pytest.txt"
+tests=(tests/test_kernels.py tests/test_runner.py tests/test_dispatch.py tests/test_reference.py
+       tests/test_kv_cache.py tests/test_linear.py)
+# Quantized models in a process of their own: MLX 0.32.4's CUDA quantized matmul reads past the
+# end of a small weight (docs/gpu.md), and where that faults every later test of the process fails.
+python3 -m pytest -q -p no:cacheprovider -m "not emulated" -k "not quantized" "${tests[@]}" 2>&1 \
+    | tee "$out/pytest.txt"
+python3 -m pytest -q -p no:cacheprovider -m "not emulated" -k quantized "${tests[@]}" 2>&1 \
+    | tee -a "$out/pytest.txt"
 python3 bench/host_ops.py 2>&1 | tee "$out/host_ops.txt"
 python3 bench/canary_cost.py --out "$out/canary.json" 2>&1 | tee -a "$out/gpu.txt"
 python3 bench/sdpa_new_shapes.py --out "$out/new_shapes.json" 2>&1 | tee "$out/new_shapes.txt"
