@@ -4,8 +4,8 @@ Where a sequence's K/V come from, decided once per forward by `plan_sdpa`:
 - nothing cached: its own new K/V rows; the cache is never read back (what mlx-lm does with its
   contiguous cache);
 - its pages are one run of consecutive blocks (a plan given the host block table sees that):
-  those rows of the cache, read in place as a strided view, as mlx-lm's SDPA reads its cache;
-  vLLM's allocator hands a lone request's blocks out in order;
+  those rows of the cache, read in place as a strided view, as mlx-lm's SDPA reads its cache
+  (under vLLM's allocator, a lone conversation's blocks stay one run turn after turn);
 - otherwise: its pages copied out by a gather: a backend's page-gather kernel (one launch for
   the batch), or MLX's own take (`reference.gather_kv`) where no kernel exists.
 The first two give SDPA the same layout ([L, Hkv, D] rows seen heads first), the gather another

@@ -5,6 +5,7 @@ prefix caching off — under chunking, preemption (tight block pools) and aborts
 import numpy as np
 import pytest
 
+from jit_kernels import contiguous_sdpa
 from paged_prefix import metadata
 from paged_prefix.engine import Engine, EngineConfig
 
@@ -55,6 +56,37 @@ def test_second_request_hits_and_runner_computes_only_the_suffix():
     assert off.tokens_computed == 2 * 107 + decode_rows
     assert on.tokens_computed == 107 + (107 - 96) + decode_rows
     assert outputs(on) == outputs(off)
+
+
+def test_a_conversation_reads_its_history_in_place(monkeypatch):
+    """With vLLM's allocator a lone conversation's blocks stay one run, turn after turn: the
+    second turn's prefill reads its cached history in place (no gather), while a request that
+    shares only the first turn's prefix gathers it; tokens as with caching off."""
+    planned = []  # per SDPA plan: (sequences with a cached prefix, those read in place)
+    page_runs = contiguous_sdpa.page_runs
+
+    def spy(table, lens, seqs, block_size):
+        planned.append((list(seqs), page_runs(table, lens, seqs, block_size)))
+        return planned[-1][1]
+    monkeypatch.setattr(contiguous_sdpa, "page_runs", spy)
+    rng = np.random.default_rng(3)
+    first = rng.integers(3, 512, 200).tolist()
+    engines = {c: Engine(EngineConfig(**{**BASE, "enable_prefix_caching": c})) for c in (0, 1)}
+    for engine in engines.values():
+        engine.add_request("turn1", first, 20)
+        engine.run_to_completion()
+    second = first + engines[1].results["turn1"].output_ids + rng.integers(3, 512, 40).tolist()
+    other = first[:160] + rng.integers(3, 512, 60).tolist()
+    for req_id, prompt in (("turn2", second), ("other", other)):
+        for caching, engine in engines.items():
+            if caching:
+                planned.clear()
+            engine.add_request(req_id, prompt, 5)
+            engine.run_to_completion()
+        prefill = planned[0]  # the request's first forward: its prefill
+        assert engines[1].results[req_id].cached_tokens > 0 and prefill[0] == [0]
+        assert bool(prefill[1]) == (req_id == "turn2"), (req_id, prefill)
+    assert outputs(engines[1]) == outputs(engines[0])
 
 
 @pytest.mark.parametrize("budget", [48, 512], ids=["chunked", "whole"])
