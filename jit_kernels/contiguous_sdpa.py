@@ -20,6 +20,7 @@ dispatcher's mixed path: the paged kernel runs the rest).
 
 from __future__ import annotations
 
+from collections import Counter
 from dataclasses import dataclass
 
 import mlx.core as mx
@@ -42,6 +43,13 @@ class SdpaPlan:
     gather: GatherPlan  # the planned sequences to gather, in batch order
     whole: bool  # one sequence holding every row of q: no slicing (each slice is an op a layer)
     cache_rows: int  # the cache rows the reads in place need: the caches must hold as many
+
+    def sources(self) -> str:
+        """Where the planned sequences' K/V come from, for a log line."""
+        kinds = Counter("gathered" if isinstance(source, int) else
+                        "uncached" if source is None else "read in place"
+                        for *_, source in self.rows)
+        return "sequences: " + ", ".join(f"{n} {kind}" for kind, n in sorted(kinds.items()))
 
 
 def plan_sdpa(cu_seqlens_q: np.ndarray, seq_lens: np.ndarray, geometry: Geometry,

@@ -109,6 +109,7 @@ class Dispatcher:
         self.strict = os.environ.get(STRICT_ENV_VAR) == "1" if strict is None else strict
         self.counts: Counter[str] = Counter()
         self.last: Choice | None = None
+        self.last_sources = ""  # the SDPA plan's K/V sources in the last forward ("" off SDPA)
         self._logged: set[tuple] = set()
         self._planned: tuple | None = None  # ((metadata, geometry, choice), calls) of the last plan
 
@@ -166,7 +167,8 @@ class Dispatcher:
         key = (meta, g, choice)  # the metadata by identity: it is frozen
         if self._planned is None or self._planned[0] != key:
             self._planned = key, self._runner(choice, meta, g)
-        return ForwardAttention(choice, *self._planned[1], self.counts)
+        checked, unchecked, self.last_sources = self._planned[1]
+        return ForwardAttention(choice, checked, unchecked, self.counts)
 
     def _validated(self, choice: Choice, g: Geometry) -> Choice:
         backend = self.backends.get(choice.backend)
@@ -205,18 +207,20 @@ class Dispatcher:
                             name, component, *g.variant(), _VERDICTS[key])
 
     def _runner(self, choice: Choice, meta: AttentionMetadata, g: Geometry) -> tuple:
-        """(checked, unchecked) calls of the chosen path, planned for this forward."""
+        """(checked, unchecked) calls of the chosen path, planned for this forward, and where
+        its SDPA sequences' K/V come from."""
         cu, lens, tables = meta.cu_seqlens_q_host, meta.seq_lens_host, meta.block_tables
         if choice.path == "reference":
             def ref(q, k, v, kc, vc):
                 return reference.paged_attention(q, as_pages(kc, g), as_pages(vc, g), tables, cu,
                                                  lens, g.scale)
-            return ref, ref
+            return ref, ref, ""
         if choice.path == "sdpa":
             plan = plan_sdpa(cu, lens, g, block_tables=meta.block_tables_host)
             gather = self.backends[choice.backend].gather if choice.backend else None
             return (lambda q, k, v, kc, vc: sdpa_attention(q, k, v, kc, vc, tables, plan, gather),
-                    lambda q, k, v, kc, vc: attend(q, k, v, kc, vc, tables, plan, gather))
+                    lambda q, k, v, kc, vc: attend(q, k, v, kc, vc, tables, plan, gather),
+                    plan.sources())
         kernel = self.backends[choice.backend].attention
         if choice.path == "mixed":
             picked = set(choice.sdpa_seqs)
@@ -229,9 +233,12 @@ class Dispatcher:
                 check_sdpa_call(q, k, v, kc, vc, tables, sdpa, gather)
                 out = kernel(q, as_pages(kc, g), as_pages(vc, g), tables, plan)
                 return attend_into(out, q, k, v, kc, vc, tables, sdpa, gather)
-            return checked, lambda q, k, v, kc, vc: attend_into(
-                kernel.launch(q, kc, vc, tables, plan), q, k, v, kc, vc, tables, sdpa, gather)
+
+            def unchecked(q, k, v, kc, vc):
+                out = kernel.launch(q, kc, vc, tables, plan)
+                return attend_into(out, q, k, v, kc, vc, tables, sdpa, gather)
+            return checked, unchecked, sdpa.sources()
         plan = kernel.plan(cu, lens, g)
         # the checked call sees the caches as pages; the launches after it take them as stored
         return (lambda q, k, v, kc, vc: kernel(q, as_pages(kc, g), as_pages(vc, g), tables, plan),
-                lambda q, k, v, kc, vc: kernel.launch(q, kc, vc, tables, plan))
+                lambda q, k, v, kc, vc: kernel.launch(q, kc, vc, tables, plan), "")

@@ -199,14 +199,19 @@ class VllmModelRunner:
             idle = "" if self._last_step_end is None else \
                 f", {1e3 * (start - self._last_step_end):.1f} ms after the last step"
             logger.debug("step: %d sequences (%d of one token), %d tokens after %d already in the "
-                         "cache, %s attention; forward %.1f ms (%.1f ms of it building the "
+                         "cache, %s; forward %.1f ms (%.1f ms of it building the "
                          "graph)%s", len(q), int((q == 1).sum()), int(q.sum()),
                          int(meta.attn.context_lens_host.sum()),
-                         self.runner.dispatcher.last.path, 1e3 * (time.perf_counter() - start),
+                         self._attention(), 1e3 * (time.perf_counter() - start),
                          1e3 * (built - start), idle)
         self.requests = requests
         self._pending = (_Step(requests, req_ids, meta), logits)
         return None
+
+    def _attention(self) -> str:
+        """The last forward's attention path, and for SDPA where its K/V came from."""
+        d = self.runner.dispatcher
+        return f"{d.last.path} attention" + (f" ({d.last_sources})" if d.last_sources else "")
 
     def sample_tokens(self, grammar_output: GrammarOutput | None) -> ModelRunnerOutput:
         """Sample the pending forward's rows with vLLM's Sampler, constrained by the

@@ -216,6 +216,7 @@ def test_sdpa_reads_a_run_of_pages_in_place_and_gathers_the_rest(picked, path):
     out = attention(c.q, c.k_new, c.v_new, c.k_cache, c.v_cache)
     assert_close(out, c.oracle(0.125), mx.float16)
     assert d.last.path == path and gather.launched == [(1,)]
+    assert d.last_sources == f"sequences: 1 gathered, {len(picked) - 1} read in place"
     assert tables[-1] is meta.block_tables_host
 
 

@@ -276,10 +276,13 @@ def test_debug_log_says_where_each_steps_time_goes(caplog):
         runner.execute_model(step({"a": 1}, cached_reqs=cached(["a"], [None], [20])))
     lines = [r.getMessage() for r in caplog.records if r.name == "paged_prefix.vllm_runner"]
     assert len(lines) == 4
+    path = runner.runner.dispatcher.last.path
     assert lines[0].startswith("step: 1 sequences (0 of one token), 20 tokens after 0 already "
-                               f"in the cache, {runner.runner.dispatcher.last.path} attention; "
-                               "forward ")
+                               f"in the cache, {path} attention")
     assert "of it building the graph" in lines[0] and "after the last step" not in lines[0]
     assert lines[1].startswith("step: sampled 1 rows in ")
     assert lines[2].startswith("step: 1 sequences (1 of one token), 1 tokens after 20 ")
+    if path == "sdpa":  # where its K/V came from: its new rows, then its blocks 1-2 in place
+        assert "sdpa attention (sequences: 1 uncached); forward " in lines[0]
+        assert "sdpa attention (sequences: 1 read in place); forward " in lines[2]
     assert lines[2].endswith("ms after the last step")
