@@ -1,4 +1,5 @@
-"""Table and plot of the end-to-end prefill benchmark (bench/test_bench_prefill.py's JSON).
+"""Table and plot of the end-to-end prefill benchmark: bench/test_bench_prefill.py's
+pytest-benchmark JSON, or bench/prefill_interleaved.py's.
 
     python bench/plot_prefill.py results/cuda/prefill.json [--out prefill.png]
 
@@ -15,9 +16,13 @@ from pathlib import Path
 
 
 def load(path: Path) -> dict:
-    """{(model, prompt_len, hit): {impl: median ms}} from a pytest-benchmark JSON."""
+    """{(model, prompt_len, hit): {impl: median ms}} from either benchmark's JSON."""
+    data = json.loads(path.read_text())
+    if isinstance(data, list):  # prefill_interleaved.py: one row per step, "<impl>_ms" medians
+        return {(r["model"], r["prompt_len"], r["hit"]): {k[:-3]: v for k, v in r.items()
+                                                          if k.endswith("_ms")} for r in data}
     rows: dict = defaultdict(dict)
-    for b in json.loads(path.read_text())["benchmarks"]:
+    for b in data["benchmarks"]:
         info = b["extra_info"]
         rows[(info["model"], info["prompt_len"], info["hit"])][info["impl"]] = \
             b["stats"]["median"] * 1e3
@@ -32,12 +37,14 @@ def main() -> None:
     rows = load(args.json)
     impls = [i for i in ("auto", "auto-scattered", "sdpa", "kernel")
              if any(i in r for r in rows.values())]
+    width = {i: max(11, len(i) + 6) for i in impls}
     print(f"{'model':<10}{'prompt':>7}{'hit':>7}{'mlx-lm ms':>11}"
-          + "".join(f"{i + ' ms':>11}{i + '/mlx':>11}" for i in impls))
+          + "".join(f"{i + ' ms':>{width[i]}}{i + '/mlx':>{width[i]}}" for i in impls))
     for (model, prompt_len, hit), r in sorted(rows.items()):
         line = f"{model:<10}{prompt_len:>7}{hit:>7}{r['mlx-lm']:>11.2f}"
         for i in impls:
-            line += (f"{r[i]:>11.2f}{r[i] / r['mlx-lm']:>11.3f}" if i in r else f"{'-':>22}")
+            w = width[i]
+            line += (f"{r[i]:>{w}.2f}{r[i] / r['mlx-lm']:>{w}.3f}" if i in r else f"{'-':>{2 * w}}")
         print(line)
     if args.out:
         import matplotlib
