@@ -138,12 +138,12 @@ def test_prefill(benchmark, name, prompt_len, fraction, impl):
     hit = hit_tokens(prompt_len, fraction)
     if impl == "kernel" and fraction == 0.0:
         pytest.skip("nothing cached: the kernel path is never chosen")
+    layout = "scattered" if impl == "auto-scattered" else "run"
     step = s.mlx_lm_prefill(hit) if impl == "mlx-lm" else s.paged_prefill(
         hit, {"kernel": next(iter(available_backends()), "auto"),
-              "auto-scattered": "auto"}.get(impl, impl),
-        "scattered" if impl == "auto-scattered" else "run")
+              "auto-scattered": "auto"}.get(impl, impl), layout)
     benchmark.group = f"{name} {prompt_len} tokens, hit {hit}"
-    runner = s.runners["scattered" if impl == "auto-scattered" else "run"]
+    runner = s.runners[layout]
     before = runner.stats.tokens_computed
     rounds = rounds_for(step)
     benchmark.pedantic(step, rounds=rounds, warmup_rounds=1)
