@@ -10,7 +10,7 @@ nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.max.sm --format=csv 
 python3 -c "import mlx.core as mx; print('mlx', mx.__version__, mx.default_device(), mx.cuda.is_available())" \
     | tee -a "$out/gpu.txt"
 tests=(tests/test_kernels.py tests/test_runner.py tests/test_dispatch.py tests/test_reference.py
-       tests/test_kv_cache.py tests/test_linear.py)
+       tests/test_kv_cache.py tests/test_linear.py tests/test_gpu_time.py)
 # Quantized models in a process of their own: MLX 0.32.4's CUDA quantized matmul reads past the
 # end of a small weight (docs/gpu.md), and where that faults every later test of the process fails.
 python3 -m pytest -q -p no:cacheprovider -m "not emulated" -k "not quantized" "${tests[@]}" 2>&1 \
