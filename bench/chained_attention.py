@@ -12,6 +12,10 @@ as the sweep (single-sequence points only: the output of one call must be the ne
 Paths: ceiling = SDPA on contiguous K/V; kernel = the paged kernel as planned; auto = the
 dispatcher's choice for a shape asked for before; and where the kernel plans 128-row tiles,
 kernel_w16 = the same plan with 16-row warps (eight warps a tile) against the default 32.
+
+On CUDA the same chains are timed on the GPU alone too (bench/gpu_time.py: no host cost),
+cycling through copies of the case whose K/V together exceed twice the L2, as a forward's
+layers each read their own; `kern GB/s` = K/V + q + out bytes per call / the kernel's GPU time.
 """
 
 from __future__ import annotations
@@ -28,10 +32,14 @@ import mlx.core as mx
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from attention_sweep import GEOMETRY, make_case, sweep_points  # noqa: E402
+from attention_sweep import GEOMETRY, make_case, point_cost, sweep_points  # noqa: E402
+from gpu_time import gpu_us  # noqa: E402
 
 from jit_kernels import available_backends  # noqa: E402
 from paged_prefix.dispatch import Dispatcher  # noqa: E402
+
+L2_BYTES = 50 * 2**20  # H100 / H200
+MAX_COPIES = 32
 
 
 def chained_us(step, x0: mx.array, calls: int = 50, samples: int = 5) -> float:
@@ -74,6 +82,39 @@ def run_point(point, backend) -> dict:
                                             case.v_cache), case.q)
     row["auto_path"] = auto.choice.path
     row["auto_over_ceiling"] = row["auto"] / row["ceiling"]
+    if kernel.name == "cuda":
+        row["gpu"] = gpu_row(point, case, kernel, plan, dispatcher)
+    return row
+
+
+def copies_past_l2(point, case) -> list:
+    """`case` and as many more of the point's cases as make their K/V exceed twice the L2."""
+    kv_bytes = case.k_cache.nbytes + case.v_cache.nbytes
+    return [case] + [make_case(point, seed=i) for i in
+                     range(1, min(MAX_COPIES, -(-2 * L2_BYTES // kv_bytes)))]
+
+
+def ceiling_gpu_us(copies: list) -> float:
+    return gpu_us([lambda x, c=c: mx.fast.scaled_dot_product_attention(
+        x, c.k_seqs[0], c.v_seqs[0], scale=GEOMETRY.scale, mask="causal") for c in copies],
+        copies[0].q_seqs[0])
+
+
+def gpu_row(point, case, kernel, plan, dispatcher) -> dict:
+    """GPU microseconds per call of each path, cycling through copies of the case."""
+    copies = copies_past_l2(point, case)
+    autos = [dispatcher.plan(c.meta, GEOMETRY) for c in copies]
+    row = {
+        "copies": len(copies),
+        "ceiling": ceiling_gpu_us(copies),
+        "kernel": gpu_us([lambda x, c=c: kernel.launch(x, c.k_cache, c.v_cache,
+                                                       c.meta.block_tables, plan)
+                          for c in copies], case.q),
+        "auto": gpu_us([lambda x, c=c, a=a: a(x, c.k_new, c.v_new, c.k_cache, c.v_cache)
+                        for c, a in zip(copies, autos)], case.q),
+    }
+    row["kernel_gbps"] = point_cost(point)[1] / row["kernel"] / 1e3
+    row["auto_over_ceiling"] = row["auto"] / row["ceiling"]
     return row
 
 
@@ -89,14 +130,22 @@ def main() -> None:
     points = [p for p in sweep_points(False) if len(p.q_lens) == 1
               and (only is None or p.name in only)]
     rows = []
+    gpu = backend.attention.name == "cuda"
     print(f"{'point':<14}{'ceiling us':>11}{'kernel us':>11}{'w16 us':>9}{'auto us':>10}"
-          f"{'auto/ceil':>10}  auto path", flush=True)
+          f"{'auto/ceil':>10}  {'auto path':<10}"
+          + (f"{'GPU alone: ceil us':>19}{'kern us':>9}{'auto us':>9}{'auto/ceil':>10}"
+             f"{'kern GB/s':>10}" if gpu else ""), flush=True)
     for point in points:
         r = run_point(point, backend)
         rows.append(r)
         w16 = f"{r['kernel_w16']:9.1f}" if "kernel_w16" in r else f"{'-':>9}"
-        print(f"{r['point']:<14}{r['ceiling']:11.1f}{r['kernel']:11.1f}{w16}{r['auto']:10.1f}"
-              f"{r['auto_over_ceiling']:10.2f}  {r['auto_path']}", flush=True)
+        line = (f"{r['point']:<14}{r['ceiling']:11.1f}{r['kernel']:11.1f}{w16}{r['auto']:10.1f}"
+                f"{r['auto_over_ceiling']:10.2f}  {r['auto_path']:<10}")
+        if gpu:
+            q = r["gpu"]
+            line += (f"{q['ceiling']:19.1f}{q['kernel']:9.1f}{q['auto']:9.1f}"
+                     f"{q['auto_over_ceiling']:10.2f}{q['kernel_gbps']:10.0f}")
+        print(line, flush=True)
         mx.clear_cache()
     if args.out:
         args.out.write_text(json.dumps(rows, indent=1))
