@@ -46,6 +46,8 @@ STAMP_SOURCE = r"""
   asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
   stamp[0] = static_cast<long long>(t);
 """
+# touch: one thread copies one element, the least a launch can do (the floor of a chain's call).
+TOUCH_SOURCE = "out[0] = x[0];"
 
 _kernels: dict = {}
 
@@ -77,10 +79,6 @@ def gpu_us(steps: list, x0: mx.array, calls: int = MAX_CALLS, samples: int = 5) 
     _chain(steps, x0, len(steps))  # build, compile and warm every step
     return statistics.median(_chain(steps, x0, calls)[0] / calls
                              for _ in range(samples)) * 1e6
-
-
-# touch: one thread copies one element, the least a launch can do (the floor of a chain's call).
-TOUCH_SOURCE = "out[0] = x[0];"
 
 
 def main() -> None:
