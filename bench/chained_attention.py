@@ -7,7 +7,8 @@ may run independent launches side by side: a launch that fills a fraction of the
 or ours, at short suffixes) then looks faster than it runs inside a forward, where each layer
 waits for the one before. Here every call depends on the previous one, so the figures are
 per-layer latencies (host cost per call included, as in a forward). Same points and geometry
-as the sweep (single-sequence points only: the output of one call must be the next's q).
+as the sweep but mixed8 (the output of one call must be the next's q: single sequences, and
+decode batches, whose ceiling is one batched SDPA call).
 
 Paths: ceiling = SDPA on contiguous K/V; kernel = the paged kernel as planned; auto = the
 dispatcher's choice for a shape asked for before; and where the kernel plans 128-row tiles,
@@ -56,14 +57,23 @@ def chained_us(step, x0: mx.array, calls: int = 50, samples: int = 5) -> float:
     return statistics.median(times) * 1e6
 
 
+def is_decode(point) -> bool:
+    return len(point.q_lens) > 1 and set(point.q_lens) == {1} and len(set(point.ctx_lens)) == 1
+
+
+def ceiling_chain(case) -> tuple:
+    """(step, x0): SDPA on contiguous K/V, one sequence (causal) or a decode batch at once."""
+    q, k, v = (mx.concatenate(x) for x in (case.q_seqs, case.k_seqs, case.v_seqs))
+    mask = "causal" if len(case.q_seqs) == 1 else None
+    return (lambda x: mx.fast.scaled_dot_product_attention(x, k, v, scale=GEOMETRY.scale,
+                                                           mask=mask)), q
+
+
 def run_point(point, backend) -> dict:
     case, g = make_case(point), GEOMETRY
     m = case.meta
     cu, lens, tables = m.cu_seqlens_q_host, m.seq_lens_host, m.block_tables
-    k_seq, v_seq = case.k_seqs[0], case.v_seqs[0]
-    row = {"point": point.name, "ceiling": chained_us(
-        lambda x: mx.fast.scaled_dot_product_attention(x, k_seq, v_seq, scale=g.scale,
-                                                       mask="causal"), case.q_seqs[0])}
+    row = {"point": point.name, "ceiling": chained_us(*ceiling_chain(case))}
     kernel = backend.attention
     plan = kernel.plan(cu, lens, g)
     row["kernel"] = chained_us(lambda x: kernel.launch(x, case.k_cache, case.v_cache, tables,
@@ -95,9 +105,8 @@ def copies_past_l2(point, case) -> list:
 
 
 def ceiling_gpu_us(copies: list) -> float:
-    return gpu_us([lambda x, c=c: mx.fast.scaled_dot_product_attention(
-        x, c.k_seqs[0], c.v_seqs[0], scale=GEOMETRY.scale, mask="causal") for c in copies],
-        copies[0].q_seqs[0])
+    chains = [ceiling_chain(c) for c in copies]
+    return gpu_us([step for step, _ in chains], chains[0][1])
 
 
 def gpu_row(point, case, kernel, plan, dispatcher) -> dict:
@@ -127,7 +136,7 @@ def main() -> None:
     if backend is None:
         raise SystemExit("no GPU kernel backend on this machine")
     only = set(args.only.split(",")) if args.only else None
-    points = [p for p in sweep_points(False) if len(p.q_lens) == 1
+    points = [p for p in sweep_points(False) if (len(p.q_lens) == 1 or is_decode(p))
               and (only is None or p.name in only)]
     rows = []
     gpu = backend.attention.name == "cuda"
