@@ -63,8 +63,10 @@ def is_decode(point) -> bool:
 
 def ceiling_chain(case) -> tuple:
     """(step, x0): SDPA on contiguous K/V, one sequence (causal) or a decode batch at once."""
-    q, k, v = (mx.concatenate(x) for x in (case.q_seqs, case.k_seqs, case.v_seqs))
-    mask = "causal" if len(case.q_seqs) == 1 else None
+    single = len(case.q_seqs) == 1  # its arrays as they are: no copy of K/V
+    q, k, v = (x[0] if single else mx.concatenate(x)
+               for x in (case.q_seqs, case.k_seqs, case.v_seqs))
+    mask = "causal" if single else None
     return (lambda x: mx.fast.scaled_dot_product_attention(x, k, v, scale=GEOMETRY.scale,
                                                            mask=mask)), q
 
