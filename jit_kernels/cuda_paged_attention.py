@@ -15,6 +15,7 @@ partials by log-sum-exp inside the same launch (a per-tile arrival counter).
 from __future__ import annotations
 
 import math
+import numbers
 from dataclasses import dataclass
 
 import mlx.core as mx
@@ -30,10 +31,13 @@ HEAD_DIMS = (64, 128)
 NUM_SMS = 132  # H100/H200 SXM; MLX does not report the SM count
 PAD = 8  # smem row padding (elements): 16 bytes shift each row by 4 banks for ldmatrix
 LOG2E = math.log2(math.e)
+MIN_WORDS = 4  # the counters kept longer than MLX's pool of <= 8-byte arrays (qk_scale_bits)
+MERGE_ROWS = 16  # rows a thread merges at once: every one's load of a split in flight together
 
 HEADER = f"""
 // Tile constants and work-list columns, injected from cuda_paged_attention.py / plan.py.
-constexpr int BLOCK_N = {BLOCK_N}, PAD = {PAD}, WORK_COLS = {tile_plan.WORK_COLS};
+constexpr int BLOCK_N = {BLOCK_N}, PAD = {PAD}, MERGE_ROWS = {MERGE_ROWS};
+constexpr int WORK_COLS = {tile_plan.WORK_COLS};
 {tile_plan.column_constants("W_", tile_plan.WORK_COLUMNS, "constexpr int")}
 """ + r"""
 __device__ __forceinline__ uint32_t smem_addr(const void* p) {
@@ -95,16 +99,18 @@ template <> struct Mma<__half> {
 # Inputs:  q [T, H, D] T; k_cache, v_cache [num_blocks, BS, Hkv, D] T, or the same bytes in any
 #          dtype (a PagedKVCache's 4-byte words, passed as stored);
 #          block_tables [S, max_blocks] int32; work [num_items, WORK_COLS] int32 (plan.py);
-#          qk_scale float32 [1] = scale * log2(e); counters int32 [num_tiles], all zero between
-#          launches (each tile's last split resets its own counter, so one array serves every
-#          layer of a forward; the launches of a stream run in order).
+#          counters int32 [num_tiles], zero between launches (each tile's last split resets its
+#          own, so one array serves every launch of a plan); after: never read, an output of the
+#          plan's previous launch, so that MLX runs the two in order (it orders the launches of
+#          one evaluation only by the buffers they share).
 # Outputs: out [T, H, D] T;
 #          o_part [slots, BLOCK_M, D] float32, lse_part [slots, BLOCK_M] float32: scratch of split
 #          tiles, per-split output normalised by its own row sum and its log2-sum-exp (-inf: no key).
 # Grid: one threadblock of 32 * BLOCK_M / WARP_M threads (a warp per WARP_M rows) per work item.
 # Template: T, HEAD_DIM, GROUP, BLOCK_M, WARP_M (16 or 32), STAGES, BS (block size, a power of
-# two). A warp of 32 rows runs two m16 tiles against each K/V fragment it loads from smem: half
-# the ldmatrix traffic per product of 16-row warps.
+# two), QK_SCALE_BITS (the float32 bits of scale * log2(e)). A warp of 32 rows runs two m16
+# tiles against each K/V fragment it loads from smem: half the ldmatrix traffic per product of
+# 16-row warps.
 # Smem: STAGES K/V stages [K][V], each [BLOCK_N][HEAD_DIM + PAD], then Q [BLOCK_M][HEAD_DIM + PAD]
 # when WARP_M = 32 (a warp re-reads its Q fragments every tile: the registers hold two tiles'
 # accumulators instead); with WARP_M = 16, Q passes through the last stage on its way to
@@ -133,7 +139,7 @@ ATTENTION_SOURCE = r"""
   const T* kc = reinterpret_cast<const T*>(k_cache);  // caches may come as stored words
   const T* vc = reinterpret_cast<const T*>(v_cache);
   const int rows = ntok * GROUP;
-  const float scale_log2 = qk_scale[0];
+  const float scale_log2 = __int_as_float(QK_SCALE_BITS);
 
   // Q tile -> smem; padding rows are zero-filled
   const int ch = tid % CHUNKS;
@@ -316,49 +322,60 @@ ATTENTION_SOURCE = r"""
   __syncthreads();
   if (!is_last) return;
   __threadfence();  // ... and the merging block fences before reading the others' (acquire).
-  // Half a row's columns at a time, as float4s: a split's VEC loads are independent, so each
-  // thread keeps them all in flight (a warp per row, one split at a time, left the merge bound
-  // by L2 latency: 125 us at C=4096, Lq=16). Two threads per row share it with 16-row warps;
-  // with 32-row warps (BLOCK_M threads) a thread takes both halves in turn.
-  constexpr int HALF = D / 2, VEC = HALF / 4, PER_ROW = NUM_THREADS / BLOCK_M;
-  static_assert(PER_ROW == 1 || PER_ROW == 2, "one or two threads per row");
-  const int row = tid / PER_ROW;
-  for (int col0 = (tid % PER_ROW) * HALF; row < rows && col0 < D; col0 += PER_ROW * HALF) {
-    // __ldcg: other blocks wrote these through L2; never serve them from this SM's L1
-    const float* lse = lse_part + static_cast<size_t>(first) * BLOCK_M + row;  // stride BLOCK_M
-    const float4* part = reinterpret_cast<const float4*>(
-        o_part + (static_cast<size_t>(first) * BLOCK_M + row) * D + col0);
-    constexpr size_t SPLIT_STRIDE = static_cast<size_t>(BLOCK_M) * D / 4;  // float4s per slot
-    float top = -INFINITY;
-#pragma unroll 8
-    for (int s = 0; s < nsplit; ++s) top = fmaxf(top, __ldcg(lse + static_cast<size_t>(s) * BLOCK_M));
-    const float base = top == -INFINITY ? 0.f : top;
-    float4 acc[VEC];
-    for (int v = 0; v < VEC; ++v) acc[v] = make_float4(0.f, 0.f, 0.f, 0.f);
-    float sum = 0.f;
+  // A warp reads whole rows of a partial (a lane per float4 column; 16-lane rows at D=64), each
+  // thread MERGE_ROWS rows at once, so one split's loads of all of them are in flight together;
+  // rows rescale online, with no pass for their maxima first. (Two threads per row, each reading
+  // half of it, spread every load of a warp over 16 rows: on the H200 the merge of 9 splits at
+  // C=4096, Lq=16 took 11.9 us that way, 7.9 us this way.)
+  constexpr int LANES_PER_ROW = D / 4, ROW_STEP = NUM_THREADS / LANES_PER_ROW;
+  constexpr int RB = BLOCK_M / ROW_STEP < MERGE_ROWS ? BLOCK_M / ROW_STEP : MERGE_ROWS;
+  const int c4 = tid % LANES_PER_ROW;
+  // __ldcg: other blocks wrote these through L2; never serve them from this SM's L1
+  const float* lse = lse_part + static_cast<size_t>(first) * BLOCK_M;
+  const float4* part = reinterpret_cast<const float4*>(o_part) +
+                       static_cast<size_t>(first) * BLOCK_M * LANES_PER_ROW + c4;
+  for (int r0 = tid / LANES_PER_ROW; r0 < rows; r0 += RB * ROW_STEP) {
+    float4 acc[RB];
+    float m[RB], l[RB];
+    for (int j = 0; j < RB; ++j) {
+      acc[j] = make_float4(0.f, 0.f, 0.f, 0.f);
+      m[j] = -INFINITY;
+      l[j] = 0.f;
+    }
     for (int s = 0; s < nsplit; ++s) {
-      const float w = fast_exp2(__ldcg(lse + static_cast<size_t>(s) * BLOCK_M) - base);
-      float4 x[VEC];
+      float ls[RB];
+      float4 x[RB];
 #pragma unroll
-      for (int v = 0; v < VEC; ++v) x[v] = __ldcg(part + s * SPLIT_STRIDE + v);
-      sum += w;
+      for (int j = 0; j < RB; ++j) {
+        const int row = r0 + j * ROW_STEP;
+        const size_t at = static_cast<size_t>(s) * BLOCK_M + (row < rows ? row : 0);
+        ls[j] = row < rows ? __ldcg(lse + at) : -INFINITY;
+        x[j] = __ldcg(part + at * LANES_PER_ROW);
+      }
 #pragma unroll
-      for (int v = 0; v < VEC; ++v) {
-        acc[v].x += w * x[v].x;
-        acc[v].y += w * x[v].y;
-        acc[v].z += w * x[v].z;
-        acc[v].w += w * x[v].w;
+      for (int j = 0; j < RB; ++j) {
+        const float top = fmaxf(m[j], ls[j]);
+        const float base = top == -INFINITY ? 0.f : top;  // no key yet: no NaN
+        const float a = fast_exp2(m[j] - base), w = fast_exp2(ls[j] - base);
+        m[j] = top;
+        l[j] = l[j] * a + w;
+        acc[j].x = acc[j].x * a + w * x[j].x;
+        acc[j].y = acc[j].y * a + w * x[j].y;
+        acc[j].z = acc[j].z * a + w * x[j].z;
+        acc[j].w = acc[j].w * a + w * x[j].w;
       }
     }
-    const float inv = sum > 0.f ? 1.f / sum : 0.f;
-    T* dst = out + (static_cast<size_t>(tok0 + row / GROUP) * H + kvh * GROUP + row % GROUP) * D +
-             col0;
-    for (int v = 0; v < VEC; ++v)
-      *reinterpret_cast<uint2*>(dst + 4 * v) =
-          make_uint2(Mma<T>::pack(acc[v].x * inv, acc[v].y * inv),
-                     Mma<T>::pack(acc[v].z * inv, acc[v].w * inv));
+    for (int j = 0; j < RB; ++j) {
+      const int row = r0 + j * ROW_STEP;
+      if (row >= rows) break;
+      const float inv = l[j] > 0.f ? 1.f / l[j] : 0.f;
+      T* dst = out + (static_cast<size_t>(tok0 + row / GROUP) * H + kvh * GROUP + row % GROUP) * D;
+      *reinterpret_cast<uint2*>(dst + 4 * c4) =
+          make_uint2(Mma<T>::pack(acc[j].x * inv, acc[j].y * inv),
+                     Mma<T>::pack(acc[j].z * inv, acc[j].w * inv));
+    }
   }
-  if (tid == 0) *counter = 0;  // ready for the next launch that shares this plan
+  if (tid == 0) *counter = 0;  // ready for the plan's next launch
 """
 
 _SOURCE_HASH = support.source_hash(HEADER, ATTENTION_SOURCE)
@@ -382,10 +399,33 @@ SPLIT_MIN_KV_TILES = 8
 SPLIT_ITEMS_PER_SM = 1
 
 
+def qk_scale_bits(scale: float) -> int:
+    """The float32 bits of scale * log2(e) as an int: the kernel's template constant. (MLX's
+    CUDA allocator keeps arrays of at most 8 bytes in a read-mostly managed pool; each
+    threadblock's read of a one-float scale array there took 2-12 us on the H200, where a
+    whole launch over 32 decode rows with nothing cached now takes 4 us.)"""
+    if not (isinstance(scale, numbers.Real) and math.isfinite(scale) and scale > 0):
+        # a negative int, in MLX's name for the compiled kernel, is no C identifier
+        raise ValueError(f"scale: expected a positive finite float, got {scale!r}")
+    return int(np.array(scale * LOG2E, dtype=np.float32).view(np.int32))
+
+
 def choose_block_m(num_tokens: int, group: int, num_kv_heads: int) -> int:
     # full 128-row tiles' worth of rows: decode rows (group rows a sequence) barely count
     tiles = num_tokens * group // 128 * num_kv_heads
     return 128 if tiles >= MIN_TILES_FOR_BLOCK_M_128 else 64
+
+
+class LaunchOrder:
+    """A plan's launches, in the order they were made: each launch of a split plan takes an
+    output of the one before as an (unread) input. Without it, two calls of one plan that
+    depend on nothing else (independent calls evaluated together) could run at once and count
+    each other's splits in the shared counters. The layers of a forward are ordered by their
+    data already. (Fresh zeroed counters per launch would need no order, but cost 13-55 us a
+    call on the H200, GPU alone, where the launch at C=1024, Lq=16 takes 18 us.)"""
+
+    def __init__(self, first: mx.array):
+        self.after = first
 
 
 @dataclass(frozen=True)
@@ -397,8 +437,8 @@ class CudaAttentionPlan:
     block_m: int
     warp_m: int
     tiles: tile_plan.TilePlan
-    qk_scale: mx.array  # float32 [1]
-    counters: mx.array  # int32 [num_tiles], zero between launches
+    counters: mx.array  # int32 [max(num_tiles, MIN_WORDS)], zero between launches
+    order: LaunchOrder
     launch: dict  # the kernel call's arguments other than its inputs
 
 
@@ -437,13 +477,14 @@ class CudaPagedAttention(support.PagedAttentionKernel):
                                           min_chunk=self.split_min_kv_tiles,
                                           min_items=0 if block_m == 128 else None, seqs=seqs)
         g = geometry
+        counters = mx.zeros((max(tiles.num_tiles, MIN_WORDS),), dtype=mx.int32)
         warp_m = self.warp_m_128 if block_m == 128 and g.head_dim in WARP_M_128_HEAD_DIMS else 16
         threads = 32 * block_m // warp_m
         slots = max(tiles.num_slots, 1)  # outputs cannot be empty; unused when nothing is split
         launch = dict(
             template=[("T", g.dtype), ("HEAD_DIM", g.head_dim), ("GROUP", g.group),
                       ("BLOCK_M", block_m), ("WARP_M", warp_m), ("STAGES", STAGES),
-                      ("BS", g.block_size)],
+                      ("BS", g.block_size), ("QK_SCALE_BITS", qk_scale_bits(g.scale))],
             grid=(tiles.num_items * threads, 1, 1),
             threadgroup=(threads, 1, 1),
             output_shapes=[(lengths.num_tokens, g.num_heads, g.head_dim),
@@ -451,8 +492,7 @@ class CudaPagedAttention(support.PagedAttentionKernel):
             output_dtypes=[g.dtype, mx.float32, mx.float32])
         return CudaAttentionPlan(
             geometry=g, lengths=lengths, block_m=block_m, warp_m=warp_m, tiles=tiles,
-            qk_scale=mx.array([g.scale * LOG2E], dtype=mx.float32),
-            counters=mx.zeros((max(tiles.num_tiles, 1),), dtype=mx.int32), launch=launch)
+            counters=counters, order=LaunchOrder(counters), launch=launch)
 
     def _kernel(self, g: Geometry, block_m: int, warp_m: int):
         key = (g.dtype, g.head_dim, g.group, g.block_size, block_m, warp_m)
@@ -462,8 +502,8 @@ class CudaPagedAttention(support.PagedAttentionKernel):
             q_smem = block_m * (g.head_dim + PAD) * 2 if warp_m > 16 else 0  # else in a stage
             self._kernels[key] = self._factory(
                 name=f"paged_prefill_{_SOURCE_HASH}_{variant}",
-                input_names=["q", "k_cache", "v_cache", "block_tables", "work", "qk_scale",
-                             "counters"],
+                input_names=["q", "k_cache", "v_cache", "block_tables", "work", "counters",
+                             "after"],
                 output_names=["out", "o_part", "lse_part"],
                 source=ATTENTION_SOURCE,
                 header=HEADER,
@@ -477,7 +517,9 @@ class CudaPagedAttention(support.PagedAttentionKernel):
                block_tables: mx.array, plan) -> mx.array:
         """The call without its entry check, for callers that validated the plan against these
         arrays already (a forward launches once per layer)."""
-        tiles = plan.tiles
-        return self._kernel(plan.geometry, plan.block_m, plan.warp_m)(
-            inputs=[q, k_cache, v_cache, block_tables, tiles.work, plan.qk_scale, plan.counters],
-            **plan.launch)[0]
+        out, _, lse_part = self._kernel(plan.geometry, plan.block_m, plan.warp_m)(
+            inputs=[q, k_cache, v_cache, block_tables, plan.tiles.work, plan.counters,
+                    plan.order.after], **plan.launch)
+        if plan.tiles.num_slots:  # only split tiles count arrivals
+            plan.order.after = lse_part
+        return out

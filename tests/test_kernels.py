@@ -58,13 +58,13 @@ def block_m(request):
 
 
 def check(backend_name, q_lens, ctx_lens, num_heads=16, num_kv_heads=4, head_dim=128,
-          block_size=16, dtype=mx.bfloat16, block_m=None, **kw):
+          block_size=16, dtype=mx.bfloat16, block_m=None, scale=None, **kw):
     if block_m == 128 and backend_name != "cuda":
         pytest.skip("128-row tiles are a CUDA variant")
     if head_dim not in HEAD_DIMS[backend_name]:
         pytest.skip(f"{backend_name} has no head_dim {head_dim} variant")
     c = PagedCase(q_lens, ctx_lens, num_heads, num_kv_heads, head_dim, block_size, dtype, **kw)
-    g = Geometry(num_heads, num_kv_heads, head_dim, block_size, dtype, head_dim ** -0.5)
+    g = Geometry(num_heads, num_kv_heads, head_dim, block_size, dtype, scale or head_dim ** -0.5)
     backend = get_backend(backend_name)
     assert backend.attention.unsupported_reason(g) is None
     plan = backend.attention.plan(c.cu_seqlens_q, c.seq_lens, g,
@@ -146,6 +146,30 @@ def test_large_scores(backend):
     """|scale q.k| up to ~150: the kernels keep scores and softmax in fp32."""
     check(backend, [9, 1, 30], [40, 70, 0], num_heads=8, num_kv_heads=2, head_dim=64,
           dtype=mx.float16, q_scale=40.0)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_each_scale_its_own_kernel(backend):
+    """The CUDA kernel compiles the scale in: two scales in one process, each its own."""
+    for scale in (0.125, 0.03):
+        check(backend, [9, 1], [40, 300], num_heads=8, num_kv_heads=2, head_dim=64,
+              scale=scale)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_calls_of_one_plan_evaluated_together(backend):
+    """Calls that share a split plan and nothing else, evaluated at once (MLX may run them
+    side by side): each matches its own oracle, its splits merged with no other call's."""
+    q_lens, ctx_lens = [16, 1], [1500, 700]
+    g = Geometry(8, 2, 64, 16, mx.bfloat16, 0.125)
+    cases = [PagedCase(q_lens, ctx_lens, 8, 2, 64, 16, mx.bfloat16, seed=s) for s in range(4)]
+    attention = get_backend(backend).attention
+    plan = attention.plan(cases[0].cu_seqlens_q, cases[0].seq_lens, g)
+    assert plan.tiles.num_slots
+    outs = [attention(c.q, c.k_cache, c.v_cache, c.block_tables, plan) for c in cases]
+    mx.eval(outs)
+    for i, (c, out) in enumerate(zip(cases, outs)):
+        assert_close(out, c.oracle(g.scale), mx.bfloat16, f"call {i}")
 
 
 @pytest.mark.parametrize("backend", GPU_BACKENDS)
@@ -458,6 +482,41 @@ def test_cuda_128_row_tiles_take_32_row_warps_where_measured(head_dim, warp_m):
                                                                        32 * 128 // warp_m)
     small = attention.plan(np.array([0, 16]), np.array([4096]), g)
     assert (small.block_m, small.warp_m, small.launch["threadgroup"][0]) == (64, 16, 128)
+
+
+def test_cuda_launches_of_a_split_plan_run_in_order():
+    """Host-only: each launch of a split plan takes an output of the plan's launch before as an
+    input (MLX then runs them in order: they share the arrival counters); an unsplit plan's
+    launches stay independent. The counters are longer than MLX's pool of <= 8-byte arrays
+    (see `qk_scale_bits`), and the scale is a template constant, refused unless positive."""
+    calls = []
+
+    def factory(**_):
+        def kernel(inputs, output_shapes, output_dtypes, **__):
+            outs = [mx.zeros(s, dtype=d) for s, d in zip(output_shapes, output_dtypes)]
+            calls.append((inputs, outs))
+            return outs
+        return kernel
+    g = Geometry(8, 2, 64, 16, mx.bfloat16, 0.125)
+    attention = cuda_attention.CudaPagedAttention(factory)
+    cache, table = mx.zeros((300, 16, 2, 64), mx.bfloat16), mx.zeros((1, 256), mx.int32)
+    split = attention.plan(np.array([0, 1]), np.array([4096]), g)
+    whole = attention.plan(np.array([0, 64]), np.array([64]), g)
+    assert split.tiles.num_slots and not whole.tiles.num_slots
+    for plan in (split, split, split, whole, whole):
+        q = mx.zeros((int(plan.lengths.num_tokens), 8, 64), mx.bfloat16)
+        attention.launch(q, cache, cache, table, plan)
+    (first, out1), (second, out2), (third, _), (fourth, _), (fifth, _) = calls
+    assert first[-1] is split.counters and second[-1] is out1[2] and third[-1] is out2[2]
+    assert fourth[-1] is fifth[-1] is whole.counters
+    for plan in (split, whole):
+        assert plan.counters.nbytes > 8 and plan.counters.size >= plan.tiles.num_tiles
+    assert dict(split.launch["template"])["QK_SCALE_BITS"] == \
+        np.float32(0.125 * cuda_attention.LOG2E).view(np.int32)
+    for bad in (0.0, -0.125, float("nan"), float("inf")):
+        with pytest.raises(ValueError, match="scale"):
+            attention.plan(np.array([0, 1]), np.array([40]),
+                           Geometry(8, 2, 64, 16, mx.bfloat16, bad))
 
 
 def test_cuda_forced_tile_height_is_planned_or_refused():
