@@ -402,7 +402,7 @@ SPLIT_ITEMS_PER_SM = 1
 def qk_scale_bits(scale: float) -> int:
     """The float32 bits of scale * log2(e) as an int: the kernel's template constant. (MLX's
     CUDA allocator keeps arrays of at most 8 bytes in a read-mostly managed pool; each
-    threadblock's read of a one-float scale array there took 2-12 us on the H200, where a
+    threadblock's read of a one-float scale array there took 2-15 us on the H200, where a
     whole launch over 32 decode rows with nothing cached now takes 4 us.)"""
     if not (isinstance(scale, numbers.Real) and math.isfinite(scale) and scale > 0):
         # a negative int, in MLX's name for the compiled kernel, is no C identifier
@@ -421,7 +421,7 @@ class LaunchOrder:
     output of the one before as an (unread) input. Without it, two calls of one plan that
     depend on nothing else (independent calls evaluated together) could run at once and count
     each other's splits in the shared counters. The layers of a forward are ordered by their
-    data already. (Fresh zeroed counters per launch would need no order, but cost 13-55 us a
+    data already. (Fresh zeroed counters per launch would need no order, but cost 13-56 us a
     call on the H200, GPU alone, where the launch at C=1024, Lq=16 takes 18 us.)"""
 
     def __init__(self, first: mx.array):
