@@ -399,13 +399,18 @@ SPLIT_MIN_KV_TILES = 8
 SPLIT_ITEMS_PER_SM = 1
 
 
+def scale_compiles(scale: float) -> bool:
+    """Whether the kernel can compile this scale in: positive and finite (a negative constant,
+    in MLX's name for the compiled kernel, is no C identifier)."""
+    return isinstance(scale, numbers.Real) and math.isfinite(scale) and scale > 0
+
+
 def qk_scale_bits(scale: float) -> int:
     """The float32 bits of scale * log2(e) as an int: the kernel's template constant. (MLX's
     CUDA allocator keeps arrays of at most 8 bytes in a read-mostly managed pool; each
     threadblock's read of a one-float scale array there took 2-15 us on the H200, where a
     whole launch over 32 decode rows with nothing cached now takes 4 us.)"""
-    if not (isinstance(scale, numbers.Real) and math.isfinite(scale) and scale > 0):
-        # a negative int, in MLX's name for the compiled kernel, is no C identifier
+    if not scale_compiles(scale):
         raise ValueError(f"scale: expected a positive finite float, got {scale!r}")
     return int(np.array(scale * LOG2E, dtype=np.float32).view(np.int32))
 
@@ -460,6 +465,11 @@ class CudaPagedAttention(support.PagedAttentionKernel):
 
     def tile_rows(self, geometry: Geometry) -> tuple[int, ...]:
         return (64, 128)
+
+    def unsupported_reason(self, geometry: Geometry) -> str | None:
+        if not scale_compiles(geometry.scale):
+            return f"scale {geometry.scale!r} (the kernel compiles in a positive finite scale)"
+        return super().unsupported_reason(geometry)
 
     def plan(self, cu_seqlens_q: np.ndarray, seq_lens: np.ndarray, geometry: Geometry,
              seqs=None, block_m: int | None = None) -> CudaAttentionPlan:

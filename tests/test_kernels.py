@@ -488,7 +488,8 @@ def test_cuda_launches_of_a_split_plan_run_in_order():
     """Host-only: each launch of a split plan takes an output of the plan's launch before as an
     input (MLX then runs them in order: they share the arrival counters); an unsplit plan's
     launches stay independent. The counters are longer than MLX's pool of <= 8-byte arrays
-    (see `qk_scale_bits`), and the scale is a template constant, refused unless positive."""
+    (see `qk_scale_bits`), and the scale is a template constant: a scale that is not positive
+    and finite is a geometry the kernel does not support."""
     calls = []
 
     def factory(**_):
@@ -514,9 +515,12 @@ def test_cuda_launches_of_a_split_plan_run_in_order():
     assert dict(split.launch["template"])["QK_SCALE_BITS"] == \
         np.float32(0.125 * cuda_attention.LOG2E).view(np.int32)
     for bad in (0.0, -0.125, float("nan"), float("inf")):
+        odd = Geometry(8, 2, 64, 16, mx.bfloat16, bad)
+        assert "scale" in attention.unsupported_reason(odd)  # auto takes another path
         with pytest.raises(ValueError, match="scale"):
-            attention.plan(np.array([0, 1]), np.array([40]),
-                           Geometry(8, 2, 64, 16, mx.bfloat16, bad))
+            attention.plan(np.array([0, 1]), np.array([40]), odd)
+        with pytest.raises(ValueError, match="scale"):
+            cuda_attention.qk_scale_bits(bad)
 
 
 def test_cuda_forced_tile_height_is_planned_or_refused():
