@@ -18,16 +18,18 @@ import numpy as np
 
 from .support import Geometry, page_runs
 
-# CUDA (H200, bf16, H=32, Hkv=8, D=128, block 16, one sequence; bench/attention_sweep.py, the
-# sweep in docs/h200/sweep.json). us per call, SDPA (on gathered K/V, or on the new rows when
-# nothing is cached) vs the paged mma.sync kernel:
+# CUDA (H200, bf16, H=32, Hkv=8, D=128, block 16, one sequence; bench/attention_sweep.py, a
+# sweep of several rounds ago: docs/gpu.md has the later ones). us per call, SDPA (on gathered
+# K/V, or on the new rows when nothing is cached) vs the paged mma.sync kernel:
 #              Lq=16          64             512            4096
 #   C=0        30 / 21        31 / 20        32 / 34        272 / 666
 #   C=1024     42 / 26        40 / 37        53 / 75        379 / 963
 #   C=4096     72 / 56        52 / 56        100 / 180      708 / 1850
 #   C=16384    139 / 62       127 / 114      281 / 645      2032 / 5554
 # (Since then 128-row tiles at D=128 run 32-row warps: the kernel takes ~0.8x those times at
-# Lq = 4096, still 2x SDPA's; docs/gpu.md.)
+# Lq = 4096, still 2x SDPA's; and the kernel's launch at Lq <= 64 and decode rows takes
+# 0.18-0.87x cuDNN's on contiguous K/V, GPU time alone, chained: docs/gpu.md. The crossover
+# between 64 and 512 was not re-measured after either.)
 # cuDNN's SDPA (wgmma) runs ~2.5x this kernel's TFLOP/s, so from Lq = 512 on it wins whatever
 # the prefix (the gather costs less than the FLOPs it saves); at Lq <= 64 the kernel's single
 # launch and split KV win or tie. End to end (bench/test_bench_prefill.py, docs/h200/prefill.json)
