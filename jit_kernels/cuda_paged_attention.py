@@ -435,7 +435,8 @@ class LaunchOrder:
 
 @dataclass(frozen=True)
 class CudaAttentionPlan:
-    """One forward's launch plan: built once from host arrays, read by every layer."""
+    """One forward's launch plan: built once from host arrays, read by every layer (`order`
+    alone changes: it holds the last launch's output)."""
 
     geometry: Geometry
     lengths: support.Lengths
@@ -450,7 +451,8 @@ class CudaAttentionPlan:
 class CudaPagedAttention(support.PagedAttentionKernel):
     """plan() once per forward, then call once per layer; kernels are built once per variant.
 
-    `cuda_kernel` is MLX's factory; tests pass a stand-in to break a kernel on purpose.
+    `cuda_kernel` is MLX's factory; tests pass a stand-in to break a kernel on purpose, and
+    bench/kernel_timeline.py one that stamps its phases.
     """
 
     name = "cuda"
