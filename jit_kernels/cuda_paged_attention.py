@@ -32,6 +32,11 @@ NUM_SMS = 132  # H100/H200 SXM; MLX does not report the SM count
 PAD = 8  # smem row padding (elements): 16 bytes shift each row by 4 banks for ldmatrix
 LOG2E = math.log2(math.e)
 MIN_WORDS = 4  # the counters kept longer than MLX's pool of <= 8-byte arrays (qk_scale_bits)
+# Launches of one split plan that may run at once, each on its own set of arrival counters
+# (independent calls of a plan evaluated together; a forward's layers are ordered by their data).
+# bench/attention_sweep.py's calls, H200, 1 set -> 4: C=16384, Lq=16 73 -> 41-45 us a call,
+# C=4096, Lq=64 56-58 -> 39-48, C=16384, Lq=64 142-146 -> 91-92.
+COUNTER_SETS = 4
 MERGE_ROWS = 16  # rows a thread merges at once: every one's load of a split in flight together
 
 HEADER = f"""
@@ -100,9 +105,9 @@ template <> struct Mma<__half> {
 #          dtype (a PagedKVCache's 4-byte words, passed as stored);
 #          block_tables [S, max_blocks] int32; work [num_items, WORK_COLS] int32 (plan.py);
 #          counters int32 [num_tiles], zero between launches (each tile's last split resets its
-#          own, so one array serves every launch of a plan); after: never read, an output of the
-#          plan's previous launch, so that MLX runs the two in order (it orders the launches of
-#          one evaluation only by the buffers they share).
+#          own, so one array serves launch after launch); after: never read, an output of the
+#          last launch that took the same counters, so that MLX runs the two in order (it orders
+#          the launches of one evaluation only by the buffers they share).
 # Outputs: out [T, H, D] T;
 #          o_part [slots, BLOCK_M, D] float32, lse_part [slots, BLOCK_M] float32: scratch of split
 #          tiles, per-split output normalised by its own row sum and its log2-sum-exp (-inf: no key).
@@ -422,28 +427,42 @@ def choose_block_m(num_tokens: int, group: int, num_kv_heads: int) -> int:
 
 
 class LaunchOrder:
-    """A plan's launches, in the order they were made: each launch of a split plan takes an
-    output of the one before as an (unread) input. Without it, two calls of one plan that
-    depend on nothing else (independent calls evaluated together) could run at once and count
-    each other's splits in the shared counters. The layers of a forward are ordered by their
-    data already. (Fresh zeroed counters per launch would need no order, but cost 13-56 us a
-    call on the H200, GPU alone, where the launch at C=1024, Lq=16 takes 18 us.)"""
+    """Which arrival counters a plan's next launch takes, and which launch it must follow.
 
-    def __init__(self, first: mx.array):
-        self.after = first
+    A split plan holds COUNTER_SETS sets of counters, taken in turn. Each launch takes, as an
+    (unread) input, an output of the last launch that took its set, so MLX runs those two in
+    order; launches on other sets stay independent and may run at once (MLX orders the
+    launches of one evaluation only by the buffers they share). Without the order, two calls
+    of one plan that depend on nothing else (independent calls evaluated together) could run
+    at once and count each other's splits. The layers of a forward are ordered by their data
+    already. (Fresh zeroed counters per launch would need no order, but cost 13-56 us a call
+    on the H200, GPU alone, where the launch at C=1024, Lq=16 takes 18 us.)"""
+
+    def __init__(self, counters: tuple[mx.array, ...]):
+        self.counters = counters
+        self.after = list(counters)  # per set: what its next launch follows
+        self.turn = 0
+
+    def take(self) -> tuple[int, mx.array, mx.array]:
+        """(set, its counters, what to follow) for the next launch; `ran` records it."""
+        return self.turn, self.counters[self.turn], self.after[self.turn]
+
+    def ran(self, turn: int, output: mx.array) -> None:
+        self.after[turn] = output
+        self.turn = (turn + 1) % len(self.after)
 
 
 @dataclass(frozen=True)
 class CudaAttentionPlan:
     """One forward's launch plan: built once from host arrays, read by every layer (`order`
-    alone changes: it holds the last launch's output)."""
+    alone changes: it holds the last launches' outputs)."""
 
     geometry: Geometry
     lengths: support.Lengths
     block_m: int
     warp_m: int
     tiles: tile_plan.TilePlan
-    counters: mx.array  # int32 [max(num_tiles, MIN_WORDS)], zero between launches
+    counters: tuple[mx.array, ...]  # sets of int32 [max(num_tiles, MIN_WORDS)], zero between launches
     order: LaunchOrder
     launch: dict  # the kernel call's arguments other than its inputs
 
@@ -461,6 +480,7 @@ class CudaPagedAttention(support.PagedAttentionKernel):
     split_min_kv_tiles = SPLIT_MIN_KV_TILES
     split_items_per_sm = SPLIT_ITEMS_PER_SM
     warp_m_128 = WARP_M_128
+    counter_sets = COUNTER_SETS
 
     def __init__(self, cuda_kernel=None):
         super().__init__(cuda_kernel or mx.fast.cuda_kernel)
@@ -489,7 +509,9 @@ class CudaPagedAttention(support.PagedAttentionKernel):
                                           min_chunk=self.split_min_kv_tiles,
                                           min_items=0 if block_m == 128 else None, seqs=seqs)
         g = geometry
-        counters = mx.zeros((max(tiles.num_tiles, MIN_WORDS),), dtype=mx.int32)
+        sets = self.counter_sets if tiles.num_slots else 1  # unsplit: counters never read
+        counters = tuple(mx.zeros((max(tiles.num_tiles, MIN_WORDS),), dtype=mx.int32)
+                         for _ in range(sets))
         warp_m = self.warp_m_128 if block_m == 128 and g.head_dim in WARP_M_128_HEAD_DIMS else 16
         threads = 32 * block_m // warp_m
         slots = max(tiles.num_slots, 1)  # outputs cannot be empty; unused when nothing is split
@@ -529,9 +551,10 @@ class CudaPagedAttention(support.PagedAttentionKernel):
                block_tables: mx.array, plan) -> mx.array:
         """The call without its entry check, for callers that validated the plan against these
         arrays already (a forward launches once per layer)."""
+        turn, counters, after = plan.order.take()
         out, _, lse_part = self._kernel(plan.geometry, plan.block_m, plan.warp_m)(
-            inputs=[q, k_cache, v_cache, block_tables, plan.tiles.work, plan.counters,
-                    plan.order.after], **plan.launch)
+            inputs=[q, k_cache, v_cache, block_tables, plan.tiles.work, counters, after],
+            **plan.launch)
         if plan.tiles.num_slots:  # only split tiles count arrivals
-            plan.order.after = lse_part
+            plan.order.ran(turn, lse_part)
         return out

@@ -159,17 +159,20 @@ def test_each_scale_its_own_kernel(backend):
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_calls_of_one_plan_evaluated_together(backend):
     """Calls that share a split plan and nothing else, evaluated at once (MLX may run them
-    side by side): each matches its own oracle, its splits merged with no other call's."""
+    side by side): each matches its own oracle, its splits merged with no other call's. More
+    calls than the CUDA plan's sets of counters, so that sets are shared."""
     q_lens, ctx_lens = [16, 1], [1500, 700]
     g = Geometry(8, 2, 64, 16, mx.bfloat16, 0.125)
     cases = [PagedCase(q_lens, ctx_lens, 8, 2, 64, 16, mx.bfloat16, seed=s) for s in range(4)]
+    calls = [cases[i % len(cases)] for i in range(2 * cuda_attention.COUNTER_SETS + 1)]
     attention = get_backend(backend).attention
     plan = attention.plan(cases[0].cu_seqlens_q, cases[0].seq_lens, g)
     assert plan.tiles.num_slots
-    outs = [attention(c.q, c.k_cache, c.v_cache, c.block_tables, plan) for c in cases]
+    outs = [attention(c.q, c.k_cache, c.v_cache, c.block_tables, plan) for c in calls]
     mx.eval(outs)
-    for i, (c, out) in enumerate(zip(cases, outs)):
-        assert_close(out, c.oracle(g.scale), mx.bfloat16, f"call {i}")
+    oracles = [c.oracle(g.scale) for c in cases]
+    for i, out in enumerate(outs):
+        assert_close(out, oracles[i % len(cases)], mx.bfloat16, f"call {i}")
 
 
 @pytest.mark.parametrize("backend", GPU_BACKENDS)
@@ -485,8 +488,9 @@ def test_cuda_128_row_tiles_take_32_row_warps_where_measured(head_dim, warp_m):
 
 
 def test_cuda_launches_of_a_split_plan_run_in_order():
-    """Host-only: each launch of a split plan takes an output of the plan's launch before as an
-    input (MLX then runs them in order: they share the arrival counters); an unsplit plan's
+    """Host-only: a split plan's launches take its sets of arrival counters in turn, and each
+    takes an output of the last launch on its set as an input (MLX then runs those two in
+    order; launches on other sets stay independent); an unsplit plan has one set and its
     launches stay independent. The counters are longer than MLX's pool of <= 8-byte arrays
     (see `qk_scale_bits`), and the scale is a template constant: a scale that is not positive
     and finite is a geometry the kernel does not support."""
@@ -504,14 +508,19 @@ def test_cuda_launches_of_a_split_plan_run_in_order():
     split = attention.plan(np.array([0, 1]), np.array([4096]), g)
     whole = attention.plan(np.array([0, 64]), np.array([64]), g)
     assert split.tiles.num_slots and not whole.tiles.num_slots
-    for plan in (split, split, split, whole, whole):
+    sets = cuda_attention.COUNTER_SETS
+    assert sets > 1 and len(split.counters) == sets and len(whole.counters) == 1
+    launches = 2 * sets + 1
+    for plan in [split] * launches + [whole] * 2:
         q = mx.zeros((int(plan.lengths.num_tokens), 8, 64), mx.bfloat16)
         attention.launch(q, cache, cache, table, plan)
-    (first, out1), (second, out2), (third, _), (fourth, _), (fifth, _) = calls
-    assert first[-1] is split.counters and second[-1] is out1[2] and third[-1] is out2[2]
-    assert fourth[-1] is fifth[-1] is whole.counters
+    for i, (inputs, _) in enumerate(calls[:launches]):
+        counters, after = inputs[-2:]
+        assert counters is split.counters[i % sets]
+        assert after is (counters if i < sets else calls[i - sets][1][2])  # its set's last lse
+    assert all(inputs[-2] is inputs[-1] is whole.counters[0] for inputs, _ in calls[launches:])
     for plan in (split, whole):
-        assert plan.counters.nbytes > 8 and plan.counters.size >= plan.tiles.num_tiles
+        assert all(c.nbytes > 8 and c.size >= plan.tiles.num_tiles for c in plan.counters)
     assert dict(split.launch["template"])["QK_SCALE_BITS"] == \
         np.float32(0.125 * cuda_attention.LOG2E).view(np.int32)
     for bad in (0.0, -0.125, float("nan"), float("inf")):
