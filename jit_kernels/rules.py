@@ -18,25 +18,24 @@ import numpy as np
 
 from .support import Geometry, page_runs
 
-# CUDA (H200, bf16, H=32, Hkv=8, D=128, block 16, one sequence; bench/attention_sweep.py, a
-# sweep of several rounds ago: docs/gpu.md has the later ones). us per call, SDPA (on gathered
-# K/V, or on the new rows when nothing is cached) vs the paged mma.sync kernel:
-#              Lq=16          64             512            4096
-#   C=0        30 / 21        31 / 20        32 / 34        272 / 666
-#   C=1024     42 / 26        40 / 37        53 / 75        379 / 963
-#   C=4096     72 / 56        52 / 56        100 / 180      708 / 1850
-#   C=16384    139 / 62       127 / 114      281 / 645      2032 / 5554
-# (Since then 128-row tiles at D=128 run 32-row warps: the kernel takes ~0.8x those times at
-# Lq = 4096, still 2x SDPA's; and the kernel's launch at Lq <= 64 and decode rows takes
-# 0.18-0.87x cuDNN's on contiguous K/V, GPU time alone, chained: docs/gpu.md. The crossover
-# between 64 and 512 was not re-measured after either.)
-# cuDNN's SDPA (wgmma) runs ~2.5x this kernel's TFLOP/s, so from Lq = 512 on it wins whatever
-# the prefix (the gather costs less than the FLOPs it saves); at Lq <= 64 the kernel's single
-# launch and split KV win or tie. End to end (bench/test_bench_prefill.py, docs/h200/prefill.json)
-# a 416-token suffix over 3680 cached tokens also ran no slower on SDPA (8B shape: 17.4 vs
-# 20.7 ms); 256 sits between the measured crossover points. SDPA runs sequence by sequence:
-# decode rows and short suffixes stay on the kernel, which takes them all in one launch (32
-# decode rows with no context: SDPA 672 us, kernel 23 us).
+# CUDA (H200, bf16, H=32, Hkv=8, D=128, block 16, one sequence, pages shuffled;
+# bench/crossover.py, docs/h200/crossover.txt): us per call on the GPU alone, the paged
+# mma.sync kernel / SDPA (over the new rows at C=0, else over the pages the gather copied):
+#              Lq=128         256            512
+#   C=0        6.6 / 8.0      10.2 / 10.7    29.0 / 13.9
+#   C=1024     21.8 / 23.0    38.4 / 25.5    66.4 / 29.7
+#   C=4096     55.9 / 64.0    120.7 / 67.8   178.8 / 72.1
+#   C=16384    186.2 / 230.3  276.7 / 232.7  626.3 / 247.5
+# (chained by the wall clock, host cost included, the same order but for C=0 at 512). cuDNN's
+# SDPA (wgmma) runs ~2.5x this kernel's TFLOP/s, so once a suffix is long enough the gather
+# costs less than the FLOPs it saves: from 256 new tokens wherever a prefix is cached; at 128
+# and below the kernel's single launch and split KV win. With nothing cached the kernel still
+# wins at 256 by 5% of GPU time: not worth a second threshold. At 4096 new tokens SDPA takes
+# ~0.5x the kernel's time (docs/gpu.md). End to end (bench/test_bench_prefill.py,
+# docs/h200/prefill.json) a 416-token suffix over 3680 cached tokens also ran no slower on SDPA
+# (8B shape: 17.4 vs 20.7 ms). SDPA runs sequence by sequence: decode rows and short suffixes
+# stay on the kernel, which takes them all in one launch (32 decode rows with no context:
+# SDPA 672 us, kernel 23 us, an early sweep).
 CUDA_SDPA_MIN_Q = 256
 # MLX's own cache of cuDNN SDPA graphs (mlx/backend/cuda/scaled_dot_product_attention.cpp).
 SDPA_CACHE_ENV, DEFAULT_SDPA_CACHE_SIZE = "MLX_CUDA_SDPA_CACHE_SIZE", 256
