@@ -10,6 +10,11 @@ the median of a few evaluations.
 The calls cycle through `steps` (one per copy of the inputs), so a cache that fits the GPU's L2
 is not read from L2 by the next call, as a forward's next layer would not.
 
+`gpu_us_together` times independent calls instead, evaluated together as
+bench/attention_sweep.py evaluates them: launched behind the hold in one evaluation, where MLX
+may run them side by side, and stamped once all of them are done. GPU time per call = (stamp -
+release) / calls: a throughput, not a latency.
+
 MLX keeps at most ~10 command buffers of 20 launches in flight before the host waits, so n is
 capped at MAX_CALLS: the host must have launched the whole chain before the hold lets go.
 
@@ -38,10 +43,9 @@ SPIN_SOURCE = r"""
   release[0] = static_cast<long long>(t);
   release[1] = (clock64() - c0) * 1000 / static_cast<long long>(t - t0);
 """
-# stamp: one thread writes the timer (stamp[0]). It takes the chain's last output, unread:
+# stamp: one thread writes the timer (stamp[0]). It takes what it times as inputs, unread:
 # MLX orders the launches of one CUDA graph by the buffers they share, not by launch order.
 STAMP_SOURCE = r"""
-  (void)after;
   unsigned long long t;
   asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
   stamp[0] = static_cast<long long>(t);
@@ -52,12 +56,28 @@ TOUCH_SOURCE = "out[0] = x[0];"
 _kernels: dict = {}
 
 
-def _timer(name: str, inp: str, out: str, source: str, x: mx.array, size: int) -> mx.array:
+def _timer(name: str, inputs: dict[str, mx.array], output: str, source: str,
+           size: int) -> mx.array:
+    """A one-thread kernel over `inputs` writing `size` int64s to `output`."""
+    name = f"{name}_{len(inputs)}"
     if name not in _kernels:
-        _kernels[name] = mx.fast.cuda_kernel(name=name, input_names=[inp], output_names=[out],
-                                             source=source, ensure_row_contiguous=False)
-    return _kernels[name](inputs=[x], grid=(1, 1, 1), threadgroup=(1, 1, 1),
+        _kernels[name] = mx.fast.cuda_kernel(name=name, input_names=list(inputs),
+                                             output_names=[output], source=source,
+                                             ensure_row_contiguous=False)
+    return _kernels[name](inputs=list(inputs.values()), grid=(1, 1, 1), threadgroup=(1, 1, 1),
                           output_shapes=[(size,)], output_dtypes=[mx.int64])[0]
+
+
+def _held(timed: list[mx.array]) -> tuple[float, int]:
+    """(GPU seconds from the hold's release to when every array of `timed` is done, the SM
+    clock in MHz while the hold spun). `timed` is built, not yet evaluated."""
+    release = _timer("gpu_time_hold", {"hold_ns": mx.array([HOLD_NS], dtype=mx.int64)},
+                     "release", SPIN_SOURCE, 2)
+    mx.async_eval(release)  # launched, and the stream held, before anything timed
+    end = _timer("gpu_time_stamp", {f"after{i}": a for i, a in enumerate(timed)}, "stamp",
+                 STAMP_SOURCE, 1)
+    mx.eval(timed, end)
+    return (end.item() - release[0].item()) * 1e-9, release[1].item()
 
 
 def _chain(steps: list, x0: mx.array, calls: int) -> tuple[float, int]:
@@ -65,12 +85,7 @@ def _chain(steps: list, x0: mx.array, calls: int) -> tuple[float, int]:
     x = x0
     for step in itertools.islice(itertools.cycle(steps), calls):  # graphs built before launch
         x = step(x)
-    release = _timer("gpu_time_hold", "hold_ns", "release", SPIN_SOURCE,
-                     mx.array([HOLD_NS], dtype=mx.int64), 2)
-    mx.async_eval(release)  # launched, and the stream held, before any call of the chain
-    end = _timer("gpu_time_stamp", "after", "stamp", STAMP_SOURCE, x, 1)
-    mx.eval(x, end)
-    return (end.item() - release[0].item()) * 1e-9, release[1].item()
+    return _held([x])
 
 
 def gpu_us(steps: list, x0: mx.array, calls: int = MAX_CALLS, samples: int = 5) -> float:
@@ -79,6 +94,19 @@ def gpu_us(steps: list, x0: mx.array, calls: int = MAX_CALLS, samples: int = 5) 
     _chain(steps, x0, len(steps))  # build, compile and warm every step
     return statistics.median(_chain(steps, x0, calls)[0] / calls
                              for _ in range(samples)) * 1e6
+
+
+def gpu_us_together(calls: list, samples: int = 5) -> float:
+    """Median GPU microseconds per call of `calls` (each returns an array or a list of them),
+    evaluated together; at most MAX_CALLS calls of a launch or few each."""
+    if not 0 < len(calls) <= MAX_CALLS:
+        raise ValueError(f"calls: expected 1 to {MAX_CALLS}, got {len(calls)}")
+
+    def outputs() -> list[mx.array]:
+        outs = [call() for call in calls]
+        return [a for out in outs for a in (out if isinstance(out, list) else [out])]
+    mx.eval(outputs())  # build, compile and warm every call
+    return statistics.median(_held(outputs())[0] / len(calls) for _ in range(samples)) * 1e6
 
 
 def main() -> None:

@@ -34,9 +34,10 @@ LOG2E = math.log2(math.e)
 MIN_WORDS = 4  # the counters kept longer than MLX's pool of <= 8-byte arrays (qk_scale_bits)
 # Launches of one split plan that may run at once, each on its own set of arrival counters
 # (independent calls of a plan evaluated together; a forward's layers are ordered by their data).
-# bench/attention_sweep.py's calls, H200, 1 set -> 4: C=16384, Lq=16 73 -> 41-45 us a call,
-# C=4096, Lq=64 56-58 -> 39-48, C=16384, Lq=64 142-146 -> 91-92.
-COUNTER_SETS = 4
+# H200, 20 calls of one plan evaluated together, GPU time a call, 1 / 4 / 8 / 16 sets:
+# C=4096, Lq=16 24.4 / 9.1 / 7.6 / 7.2 us; C=1024, Lq=16 16.8 / 5.0 / 3.9 / 3.5; the Lq=64
+# points no faster past 4 (docs/h200/counter_sets.txt).
+COUNTER_SETS = 16
 MERGE_ROWS = 16  # rows a thread merges at once: every one's load of a split in flight together
 
 HEADER = f"""
