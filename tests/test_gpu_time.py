@@ -1,5 +1,6 @@
 """bench/gpu_time.py measures what it claims: a chain of calls of known GPU length reads that
-length (CUDA only; the benchmarks' GPU-alone figures rest on it)."""
+length, and calls evaluated together are all waited for and run side by side (CUDA only; the
+benchmarks' GPU-alone figures rest on it)."""
 
 from __future__ import annotations
 
