@@ -440,30 +440,29 @@ class LaunchOrder:
     on the H200, GPU alone, where the launch at C=1024, Lq=16 takes 18 us.)"""
 
     def __init__(self, counters: tuple[mx.array, ...]):
-        self.counters = counters
+        self.counters = counters  # sets of int32 [max(num_tiles, MIN_WORDS)], zero between launches
         self.after = list(counters)  # per set: what its next launch follows
         self.turn = 0
 
-    def take(self) -> tuple[int, mx.array, mx.array]:
-        """(set, its counters, what to follow) for the next launch; `ran` records it."""
-        return self.turn, self.counters[self.turn], self.after[self.turn]
+    def take(self) -> tuple[mx.array, mx.array]:
+        """(the next launch's counters, what it follows); `ran` records the launch."""
+        return self.counters[self.turn], self.after[self.turn]
 
-    def ran(self, turn: int, output: mx.array) -> None:
-        self.after[turn] = output
-        self.turn = (turn + 1) % len(self.after)
+    def ran(self, output: mx.array) -> None:
+        self.after[self.turn] = output
+        self.turn = (self.turn + 1) % len(self.counters)
 
 
 @dataclass(frozen=True)
 class CudaAttentionPlan:
     """One forward's launch plan: built once from host arrays, read by every layer (`order`
-    alone changes: it holds the last launches' outputs)."""
+    alone changes: it holds the arrival counters and the last launches' outputs)."""
 
     geometry: Geometry
     lengths: support.Lengths
     block_m: int
     warp_m: int
     tiles: tile_plan.TilePlan
-    counters: tuple[mx.array, ...]  # sets of int32 [max(num_tiles, MIN_WORDS)], zero between launches
     order: LaunchOrder
     launch: dict  # the kernel call's arguments other than its inputs
 
@@ -527,7 +526,7 @@ class CudaPagedAttention(support.PagedAttentionKernel):
             output_dtypes=[g.dtype, mx.float32, mx.float32])
         return CudaAttentionPlan(
             geometry=g, lengths=lengths, block_m=block_m, warp_m=warp_m, tiles=tiles,
-            counters=counters, order=LaunchOrder(counters), launch=launch)
+            order=LaunchOrder(counters), launch=launch)
 
     def _kernel(self, g: Geometry, block_m: int, warp_m: int):
         key = (g.dtype, g.head_dim, g.group, g.block_size, block_m, warp_m)
@@ -552,10 +551,10 @@ class CudaPagedAttention(support.PagedAttentionKernel):
                block_tables: mx.array, plan) -> mx.array:
         """The call without its entry check, for callers that validated the plan against these
         arrays already (a forward launches once per layer)."""
-        turn, counters, after = plan.order.take()
+        counters, after = plan.order.take()
         out, _, lse_part = self._kernel(plan.geometry, plan.block_m, plan.warp_m)(
             inputs=[q, k_cache, v_cache, block_tables, plan.tiles.work, counters, after],
             **plan.launch)
         if plan.tiles.num_slots:  # only split tiles count arrivals
-            plan.order.ran(turn, lse_part)
+            plan.order.ran(lse_part)
         return out

@@ -510,18 +510,18 @@ def test_cuda_launches_of_a_split_plan_run_in_order():
     whole = attention.plan(np.array([0, 64]), np.array([64]), g)
     assert split.tiles.num_slots and not whole.tiles.num_slots
     sets = cuda_attention.COUNTER_SETS
-    assert sets > 1 and len(split.counters) == sets and len(whole.counters) == 1
+    assert sets > 1 and len(split.order.counters) == sets and len(whole.order.counters) == 1
     launches = 2 * sets + 1
     for plan in [split] * launches + [whole] * 2:
         q = mx.zeros((int(plan.lengths.num_tokens), 8, 64), mx.bfloat16)
         attention.launch(q, cache, cache, table, plan)
     for i, (inputs, _) in enumerate(calls[:launches]):
         counters, after = inputs[-2:]
-        assert counters is split.counters[i % sets]
+        assert counters is split.order.counters[i % sets]
         assert after is (counters if i < sets else calls[i - sets][1][2])  # its set's last lse
-    assert all(inputs[-2] is inputs[-1] is whole.counters[0] for inputs, _ in calls[launches:])
+    assert all(inputs[-2] is inputs[-1] is whole.order.counters[0] for inputs, _ in calls[launches:])
     for plan in (split, whole):
-        assert all(c.nbytes > 8 and c.size >= plan.tiles.num_tiles for c in plan.counters)
+        assert all(c.nbytes > 8 and c.size >= plan.tiles.num_tiles for c in plan.order.counters)
     assert dict(split.launch["template"])["QK_SCALE_BITS"] == \
         np.float32(0.125 * cuda_attention.LOG2E).view(np.int32)
     for bad in (0.0, -0.125, float("nan"), float("inf")):
