@@ -120,7 +120,7 @@ def plan_gather(seq_lens: np.ndarray, seqs: list[int], block_size: int, num_kv_h
         output_shapes=[out_shape, out_shape], output_dtypes=[dtype, dtype])
     return GatherPlan(seqs=tuple(int(s) for s in seqs), seq_lens=tuple(int(n) for n in lens),
                       offsets=tuple(int(r) * head_dim for r in rows),
-                      pages=mx.array(table.astype(np.int32)), dtype=dtype,
+                      pages=support.device_array(table.astype(np.int32)), dtype=dtype,
                       block_size=block_size, num_kv_heads=num_kv_heads, head_dim=head_dim,
                       launch=launch)
 

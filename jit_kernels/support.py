@@ -18,6 +18,10 @@ from reference import check_arrays, check_lengths, host_ints
 DTYPES = (mx.float16, mx.bfloat16)
 BLOCK_SIZES = (8, 16, 32)
 MAX_GROUP = 8
+# MLX's CUDA allocator serves arrays of at most this many bytes from a managed-memory pool
+# the host writes into; on the H200 a threadblock's first read of one cost 2-15 us (see
+# cuda_paged_attention.qk_scale_bits). A one-block table or a one-token step's ids are that small.
+SMALL_POOL_BYTES = 8
 
 
 @dataclass(frozen=True)
@@ -193,6 +197,17 @@ class PagedAttentionKernel:
         """The contract of `reference.contract`; no host sync."""
         check_call(self.name, plan.geometry, q, k_cache, v_cache, block_tables, plan.lengths)
         return self.launch(q, k_cache, v_cache, block_tables, plan)
+
+
+def device_array(host: np.ndarray) -> mx.array:
+    """`host` on the device, never in MLX's small-array pool: an array of SMALL_POOL_BYTES or
+    fewer becomes a view of the start of a longer buffer (a contiguous slice, not a copy)."""
+    host = np.ascontiguousarray(host)
+    if host.nbytes > SMALL_POOL_BYTES:
+        return mx.array(host)
+    padded = np.zeros(SMALL_POOL_BYTES // host.itemsize + 1, dtype=host.dtype)
+    padded[:host.size] = host.ravel()
+    return mx.array(padded)[:host.size].reshape(host.shape)
 
 
 def source_hash(*sources: str) -> str:

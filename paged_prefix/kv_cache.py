@@ -29,6 +29,8 @@ from dataclasses import dataclass
 import mlx.core as mx
 import numpy as np
 
+from jit_kernels.support import device_array
+
 from .validate import as_int, as_ints, index_dtype
 
 SUPPORTED_DTYPES = (mx.float16, mx.bfloat16, mx.float32)
@@ -109,7 +111,7 @@ class PagedKVCache:
         if np.any(ordered[1:] == ordered[:-1]):
             raise ValueError("slot_mapping: a slot is written twice in one forward")
         if device is None:
-            device = mx.array(rows.astype(index_dtype(self.num_blocks * self.block_size)))
+            device = device_array(rows.astype(index_dtype(self.num_blocks * self.block_size)))
         return Slots(id(self), len(rows), (), device)
 
     def write(self, layer: int, keys: mx.array, values: mx.array, slots: Slots) -> None:

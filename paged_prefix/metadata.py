@@ -22,6 +22,8 @@ from dataclasses import dataclass
 import mlx.core as mx
 import numpy as np
 
+from jit_kernels.support import device_array
+
 from .validate import MAX_INT32, as_int, as_ints, frozen, index_dtype
 
 
@@ -117,10 +119,10 @@ def _attention_metadata(q_lens, context_lens, block_tables, block_size, num_bloc
     meta = AttentionMetadata(
         block_size=block_size,
         num_blocks=num_blocks,
-        block_tables=mx.array(host["block_tables_host"]),
-        seq_lens=mx.array(host["seq_lens_host"]),
-        context_lens=mx.array(host["context_lens_host"]),
-        cu_seqlens_q=mx.array(host["cu_seqlens_q_host"]),
+        block_tables=device_array(host["block_tables_host"]),
+        seq_lens=device_array(host["seq_lens_host"]),
+        context_lens=device_array(host["context_lens_host"]),
+        cu_seqlens_q=device_array(host["cu_seqlens_q_host"]),
         **host,
     )
     return meta, shared
@@ -275,12 +277,12 @@ def build_batch_metadata(
                if int(attn.seq_lens_host[s]) == len(r.token_ids)]
     return BatchMetadata(
         req_ids=tuple(r.req_id for r in requests),
-        input_ids=mx.array(ids),
+        input_ids=device_array(ids),
         input_ids_host=ids,
-        positions=mx.array(pos.astype(np.int32)),
-        slot_mapping=mx.array(slots.astype(index_dtype(num_blocks * block_size))),
+        positions=device_array(pos.astype(np.int32)),
+        slot_mapping=device_array(slots.astype(index_dtype(num_blocks * block_size))),
         slot_mapping_host=slots,
-        logits_indices=mx.array(np.array([row for row, _ in samples], dtype=np.int32)),
+        logits_indices=device_array(np.array([row for row, _ in samples], dtype=np.int32)),
         sample_req_ids=tuple(req_id for _, req_id in samples),
         attn=attn,
     )

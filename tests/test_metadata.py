@@ -1,8 +1,10 @@
 """Batch metadata: the values it derives, and a ValueError naming the field for bad input."""
 
+import mlx.core as mx
 import numpy as np
 import pytest
 
+from jit_kernels.support import device_array
 from paged_prefix.metadata import ScheduledRequest, build_attention_metadata, build_batch_metadata
 from paged_prefix.validate import index_dtype
 
@@ -167,3 +169,16 @@ def test_padding_entries_are_zero_and_tables_int32():
 def test_slot_ids_are_int32_while_every_cache_row_fits():
     assert index_dtype(2**31) is np.int32  # the last row is 2**31 - 1
     assert index_dtype(2**31 + 1) is np.int64
+
+
+@pytest.mark.parametrize("host", [np.array([5], np.int32), np.array([5, 6], np.int32),
+                                  np.array([[4]], np.int32), np.array([[4, 9]], np.int32),
+                                  np.array([7], np.int64), np.zeros(0, np.int32),
+                                  np.arange(12, dtype=np.int32).reshape(3, 4)])
+def test_device_arrays_keep_values_shape_and_dtype(host):
+    # arrays of <= 8 bytes come back as views of a longer buffer (MLX's small pool is slow to
+    # read on CUDA); what a kernel or op sees must not change
+    out = device_array(host)
+    assert out.shape == host.shape and out.dtype == mx.array(host).dtype
+    assert out.tolist() == host.tolist()
+
