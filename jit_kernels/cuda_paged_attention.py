@@ -40,12 +40,14 @@ MIN_WORDS = 4  # the counters kept longer than MLX's pool of <= 8-byte arrays (q
 COUNTER_SETS = 16
 MERGE_ROWS = 16  # rows a thread merges at once: every one's load of a split in flight together
 
-HEADER = f"""
+COLUMNS = f"""
 // Tile constants and work-list columns, injected from cuda_paged_attention.py / plan.py.
-constexpr int BLOCK_N = {BLOCK_N}, PAD = {PAD}, MERGE_ROWS = {MERGE_ROWS};
+constexpr int BLOCK_N = {BLOCK_N}, MERGE_ROWS = {MERGE_ROWS};
 constexpr int WORK_COLS = {tile_plan.WORK_COLS};
 {tile_plan.column_constants("W_", tile_plan.WORK_COLUMNS, "constexpr int")}
-""" + r"""
+"""
+# Device helpers both CUDA kernels use (this one and hopper_paged_attention.py).
+DEVICE_HELPERS = r"""
 __device__ __forceinline__ uint32_t smem_addr(const void* p) {
   return static_cast<uint32_t>(__cvta_generic_to_shared(p));
 }
@@ -65,6 +67,8 @@ __device__ __forceinline__ float fast_exp2(float x) {
   asm("ex2.approx.ftz.f32 %0, %1;\n" : "=f"(y) : "f"(x));
   return y;
 }
+"""
+HEADER = COLUMNS + f"constexpr int PAD = {PAD};\n" + DEVICE_HELPERS + r"""
 __device__ __forceinline__ void ldsm_x4(uint32_t addr, uint32_t* r) {
   asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
                : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(addr));
@@ -122,7 +126,7 @@ template <> struct Mma<__half> {
 # accumulators instead); with WARP_M = 16, Q passes through the last stage on its way to
 # registers. Pipeline: STAGES - 1 K/V tiles in flight; one barrier per tile (after the wait,
 # before refilling the stage the previous iteration read).
-ATTENTION_SOURCE = r"""
+_MMA_SYNC_MAIN = r"""
   constexpr int D = HEAD_DIM, LD = D + PAD, CHUNKS = D / 8;   // 16-byte chunks per row
   constexpr int KSTEPS = D / 16, DTILES = D / 8, NTILES = BLOCK_N / 8;
   constexpr int MT = WARP_M / 16;              // m16 tiles per warp
@@ -238,6 +242,13 @@ ATTENTION_SOURCE = r"""
           }
         }
       }
+"""
+# Mask (diagonal and last tiles) and online softmax of one tile's scores s[MT][NTILES][4] (the
+# m16n8 accumulator layout, which wgmma's accumulators share; left as probabilities): m_run,
+# l_run, and alpha, the running output's rescale, which RESCALE_O then applies. Both kernels
+# take these two and SPLIT_EPILOGUE as they are.
+ONLINE_SOFTMAX = r"""
+      float alpha[MT][2];  // the running rows' rescale for this tile (RESCALE_O applies it)
       if (n0 + BLOCK_N > mask_from) {  // diagonal or last tile: mask by position
         for (int mt = 0; mt < MT; ++mt)
           for (int nt = 0; nt < NTILES; ++nt)
@@ -254,7 +265,7 @@ ATTENTION_SOURCE = r"""
           mx = fmaxf(mx, __shfl_xor_sync(0xffffffff, mx, 1));
           mx = fmaxf(mx, __shfl_xor_sync(0xffffffff, mx, 2));
           const float base = mx == -INFINITY ? 0.f : mx * scale_log2;  // no key yet: no NaN
-          const float alpha = fast_exp2(m_run[mt][i] * scale_log2 - base);
+          alpha[mt][i] = fast_exp2(m_run[mt][i] * scale_log2 - base);
           m_run[mt][i] = mx;
           float sum = 0.f;
           for (int nt = 0; nt < NTILES; ++nt)
@@ -262,12 +273,15 @@ ATTENTION_SOURCE = r"""
               s[mt][nt][e] = fast_exp2(fmaf(s[mt][nt][e], scale_log2, -base));
               sum += s[mt][nt][e];
             }
-          l_run[mt][i] = l_run[mt][i] * alpha + sum;  // per-thread share; the quad sums at the end
-          for (int dt = 0; dt < DTILES; ++dt) {
-            o[mt][dt][2 * i] *= alpha;
-            o[mt][dt][2 * i + 1] *= alpha;
-          }
+          l_run[mt][i] = l_run[mt][i] * alpha[mt][i] + sum;  // this thread's share: the quad sums at the end
         }
+"""
+RESCALE_O = r"""
+      for (int mt = 0; mt < MT; ++mt)
+        for (int dt = 0; dt < DTILES; ++dt)
+          for (int e = 0; e < 4; ++e) o[mt][dt][e] *= alpha[mt][e / 2];
+"""
+_MMA_SYNC_PV = r"""
       for (int kk = 0; kk < BLOCK_N / 16; ++kk) {  // O += P V, P re-packed as the A operand
         uint32_t a[MT][4];
         for (int mt = 0; mt < MT; ++mt) {
@@ -289,6 +303,10 @@ ATTENTION_SOURCE = r"""
     }
   }
 
+"""
+# Normalise and store the rows (or a split's partial and log2-sum-exp), then the last split of a
+# tile merges its partials.
+SPLIT_EPILOGUE = r"""
   if (warp_active) {
     for (int mt = 0; mt < MT; ++mt)
       for (int i = 0; i < 2; ++i) {
@@ -383,6 +401,7 @@ ATTENTION_SOURCE = r"""
   }
   if (tid == 0) *counter = 0;  // ready for the plan's next launch
 """
+ATTENTION_SOURCE = _MMA_SYNC_MAIN + ONLINE_SOFTMAX + RESCALE_O + _MMA_SYNC_PV + SPLIT_EPILOGUE
 
 _SOURCE_HASH = support.source_hash(HEADER, ATTENTION_SOURCE)
 # Prefill-heavy forwards take 128-row tiles (each K/V tile feeds 128 rows: half the L2 traffic
