@@ -9,17 +9,21 @@ Only backends whose device exists on this machine are listed by `available_backe
 from __future__ import annotations
 
 import functools
+import logging
 from collections.abc import Callable
 from dataclasses import dataclass
 
 import mlx.core as mx
 import numpy as np
 
-from . import rules
+from . import hopper_paged_attention, rules
 from .cuda_paged_attention import CudaPagedAttention
+from .hopper_paged_attention import HopperPagedAttention
 from .metal_paged_attention import MetalPagedAttention
 from .page_gather import PageGather
 from .support import Geometry
+
+log = logging.getLogger(__name__)
 
 SdpaRule = Callable[[np.ndarray, np.ndarray, Geometry, np.ndarray | None],
                     "rules.SdpaPick | None"]
@@ -38,10 +42,17 @@ class KernelBackend:
     prefers_sdpa: SdpaRule
 
 
-def cuda_backend(cuda_kernel=None) -> KernelBackend:
+def cuda_backend(cuda_kernel=None, wgmma: bool | None = None) -> KernelBackend:
+    """`wgmma`: whether head dim 128 runs the Hopper kernel (`hopper_paged_attention`); None:
+    wherever this machine can (an sm_90 GPU and NVRTC), logged either way."""
     factory = cuda_kernel or mx.fast.cuda_kernel
-    return KernelBackend("cuda", CudaPagedAttention(factory), PageGather("cuda", factory),
-                         rules.CudaSdpaRule())
+    if wgmma is None:
+        why_not = hopper_paged_attention.unavailable_reason()
+        wgmma = why_not is None
+        log.info("CUDA paged attention: %s", "the wgmma kernel (sm_90a) for head dim 128, "
+                 "mma.sync for the others" if wgmma else f"the mma.sync kernel ({why_not})")
+    attention = HopperPagedAttention(factory) if wgmma else CudaPagedAttention(factory)
+    return KernelBackend("cuda", attention, PageGather("cuda", factory), rules.CudaSdpaRule())
 
 
 def metal_backend(metal_kernel=None) -> KernelBackend:

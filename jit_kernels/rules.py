@@ -19,23 +19,25 @@ import numpy as np
 from .support import Geometry, page_runs
 
 # CUDA (H200, bf16, H=32, Hkv=8, D=128, block 16, one sequence, pages shuffled;
-# bench/crossover.py, docs/h200/crossover.txt): us per call on the GPU alone, the paged
-# mma.sync kernel / SDPA (over the new rows at C=0, else over the pages the gather copied):
+# bench/crossover.py, docs/h200/crossover.txt): us per call on the GPU alone, the paged kernel
+# (on Hopper at D=128 the wgmma one) / SDPA (over the new rows at C=0, else over the pages the
+# gather copied):
 #              Lq=128         256            512
-#   C=0        6.6 / 8.0      10.2 / 10.7    29.0 / 13.9
-#   C=1024     21.8 / 23.0    38.4 / 25.5    66.4 / 29.7
-#   C=4096     55.9 / 64.0    120.7 / 67.8   178.8 / 72.1
-#   C=16384    186.2 / 230.3  276.7 / 232.7  626.3 / 247.5
-# (chained by the wall clock, host cost included, the same order but for C=0 at 512). cuDNN's
-# SDPA (wgmma) runs ~2.5x this kernel's TFLOP/s, so once a suffix is long enough the gather
-# costs less than the FLOPs it saves: from 256 new tokens wherever a prefix is cached; at 128
-# and below the kernel's single launch and split KV win. With nothing cached the kernel still
-# wins at 256 by 5% of GPU time: not worth a second threshold. At 4096 new tokens SDPA takes
-# ~0.5x the kernel's time (docs/gpu.md). End to end (bench/test_bench_prefill.py,
-# docs/h200/prefill.json) a 416-token suffix over 3680 cached tokens also ran no slower on SDPA
-# (8B shape: 17.4 vs 20.7 ms). SDPA runs sequence by sequence: decode rows and short suffixes
-# stay on the kernel, which takes them all in one launch (32 decode rows with no context:
-# SDPA 672 us, kernel 23 us, an early sweep).
+#   C=0        6.3 / 8.0      9.2 / 10.9     16.6 / 14.1
+#   C=1024     19.6 / 23.7    30.9 / 26.3    41.1 / 30.4
+#   C=4096     45.3 / 64.9    94.1 / 68.5    114.2 / 73.3
+#   C=16384    144.0 / 231.5  208.5 / 234.8  402.0 / 249.0
+# cuDNN's SDPA reaches ~1.6-1.8x the kernel's TFLOP/s at long suffixes, so once a suffix is long
+# enough the gather costs less than the FLOPs it saves: at 128 new tokens and below the
+# kernel's single launch and split KV win everywhere; at 256 it is a draw (the kernel 0.85x and
+# 0.89x at C=0 and 16384, 1.18x and 1.37x at 1024 and 4096); from 512 SDPA wins everywhere.
+# The mma.sync kernel (the previous round, docs/h200/crossover_previous_round.txt) crossed
+# between 128 and 256 too. At 4096 new tokens SDPA takes ~0.55-0.6x the kernel's time
+# (docs/gpu.md). End to end (bench/test_bench_prefill.py, docs/h200/prefill.json) a 416-token
+# suffix over 3680 cached tokens also ran no slower on SDPA (8B shape: 17.4 vs 20.7 ms). SDPA
+# runs sequence by sequence: decode rows and short suffixes stay on the kernel, which takes
+# them all in one launch (32 decode rows with no context: SDPA 672 us, kernel 23 us, an early
+# sweep).
 CUDA_SDPA_MIN_Q = 256
 # MLX's own cache of cuDNN SDPA graphs (mlx/backend/cuda/scaled_dot_product_attention.cpp).
 SDPA_CACHE_ENV, DEFAULT_SDPA_CACHE_SIZE = "MLX_CUDA_SDPA_CACHE_SIZE", 256

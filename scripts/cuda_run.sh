@@ -24,6 +24,7 @@ python3 bench/attention_sweep.py --out "$out/sweep.json" 2>&1 | tee "$out/sweep.
 python3 bench/chained_attention.py --out "$out/chained.json" 2>&1 | tee "$out/chained.txt"
 python3 bench/kernel_timeline.py --out "$out/timeline.json" 2>&1 | tee "$out/timeline.txt"
 python3 bench/crossover.py --out "$out/crossover.json" 2>&1 | tee "$out/crossover.txt"
+python3 bench/wgmma_vs_mma.py --out "$out/wgmma_vs_mma.json" 2>&1 | tee "$out/wgmma_vs_mma.txt"
 python3 -m pytest -q -p no:cacheprovider bench/test_bench_prefill.py --benchmark-only \
     --benchmark-columns=min,median,mean,rounds --benchmark-sort=name \
     --benchmark-json="$out/prefill.json" 2>&1 | tee "$out/prefill.txt"

@@ -8,6 +8,8 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
+from jit_kernels import hopper_paged_attention
+
 # A kernel variant that fails its first-use check raises in tests instead of falling back.
 os.environ.setdefault("PAGED_PREFIX_STRICT_KERNELS", "1")
 
@@ -25,6 +27,7 @@ DTYPES = {"fp32": mx.float32, "fp16": mx.float16, "bf16": mx.bfloat16}
 
 HAS_CUDA = mx.cuda.is_available()
 HAS_METAL = mx.metal.is_available()
+HAS_WGMMA = HAS_CUDA and hopper_paged_attention.unavailable_reason() is None
 KERNEL_PATHS = [
     pytest.param("cuda", marks=[pytest.mark.gpu,
                                 pytest.mark.skipif(not HAS_CUDA, reason="no CUDA backend")]),

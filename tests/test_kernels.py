@@ -1,6 +1,8 @@
 """JIT paged-attention and page-gather kernels against the float64 oracle, per element.
 
-Backends: "cuda" and "metal" where MLX has that device (gpu-marked), and "metal-emulated":
+Backends: "cuda" and "metal" where MLX has that device (gpu-marked; on a Hopper GPU "cuda" runs
+the wgmma kernel at head dim 128, and "cuda-mma" the mma.sync kernel every other CUDA GPU runs),
+and "metal-emulated":
 the exact Metal sources MLX would compile, run on the CPU by `tests/metal_emu` (marked
 `emulated`: its own nox session). Every case uses `PagedCase`: pages shuffled across a cache
 whose unowned pages and block-table padding are NaN, outputs never pre-zeroed, so a kernel
@@ -13,16 +15,20 @@ The CPU-only tests check the shared planner (plan.py) by emulating its work list
 
 from __future__ import annotations
 
+import functools
+import logging
+
 import mlx.core as mx
 import numpy as np
 import pytest
 
-from jit_kernels import KernelBackend, available_backends, cuda_backend, metal_backend, rules
+from jit_kernels import KernelBackend, available_backends, cuda_backend, metal_backend, nvrtc, rules
 from jit_kernels import cuda_paged_attention as cuda_attention
+from jit_kernels import hopper_paged_attention as hopper_attention
 from jit_kernels import plan as tile_plan
 from jit_kernels.contiguous_sdpa import plan_sdpa, sdpa_attention
 from jit_kernels.support import Geometry
-from tests.conftest import HAS_CUDA, HAS_METAL, PagedCase, assert_close, oracle64
+from tests.conftest import HAS_CUDA, HAS_METAL, HAS_WGMMA, PagedCase, assert_close, oracle64
 
 try:
     from tests.metal_emu import metal_kernel as emulated_metal_kernel
@@ -32,6 +38,9 @@ except ImportError:  # the emulation needs g++
 BACKENDS = [
     pytest.param("cuda", marks=[pytest.mark.gpu,
                                 pytest.mark.skipif(not HAS_CUDA, reason="no CUDA backend")]),
+    pytest.param("cuda-mma", marks=[
+        pytest.mark.gpu,
+        pytest.mark.skipif(not HAS_WGMMA, reason="no Hopper GPU: 'cuda' is the mma.sync kernel")]),
     pytest.param("metal", marks=[pytest.mark.gpu,
                                  pytest.mark.skipif(not HAS_METAL, reason="no Metal backend")]),
     pytest.param("metal-emulated", marks=[
@@ -42,12 +51,20 @@ BACKENDS = [
 # many-variant cases run on real GPUs only (tests/test_metal_emulated.py sweeps every Metal
 # variant and the split, decode and padding cases on small shapes).
 GPU_BACKENDS = [p for p in BACKENDS if p.values[0] != "metal-emulated"]
-HEAD_DIMS = {"cuda": (64, 128), "metal": (64, 96, 128, 256), "metal-emulated": (64, 96, 128, 256)}
+HEAD_DIMS = {"cuda": (64, 128), "cuda-mma": (64, 128), "metal": (64, 96, 128, 256),
+             "metal-emulated": (64, 96, 128, 256)}
+
+
+@functools.cache
+def mma_sync_backend() -> KernelBackend:
+    return cuda_backend(wgmma=False)
 
 
 def get_backend(name):
     if name == "metal-emulated":
         return metal_backend(emulated_metal_kernel)
+    if name == "cuda-mma":
+        return mma_sync_backend()
     return available_backends()[name]
 
 
@@ -59,16 +76,19 @@ def block_m(request):
 
 def check(backend_name, q_lens, ctx_lens, num_heads=16, num_kv_heads=4, head_dim=128,
           block_size=16, dtype=mx.bfloat16, block_m=None, scale=None, **kw):
-    if block_m == 128 and backend_name != "cuda":
-        pytest.skip("128-row tiles are a CUDA variant")
     if head_dim not in HEAD_DIMS[backend_name]:
         pytest.skip(f"{backend_name} has no head_dim {head_dim} variant")
-    c = PagedCase(q_lens, ctx_lens, num_heads, num_kv_heads, head_dim, block_size, dtype, **kw)
     g = Geometry(num_heads, num_kv_heads, head_dim, block_size, dtype, scale or head_dim ** -0.5)
     backend = get_backend(backend_name)
+    if not backend_name.startswith("cuda"):  # the fixture's heights are CUDA variants
+        if block_m == 128:
+            pytest.skip("128-row tiles are a CUDA variant")
+        block_m = None
+    elif block_m is not None and block_m not in backend.attention.tile_rows(g):
+        pytest.skip(f"{backend_name} plans no {block_m}-row tiles at head_dim {head_dim}")
+    c = PagedCase(q_lens, ctx_lens, num_heads, num_kv_heads, head_dim, block_size, dtype, **kw)
     assert backend.attention.unsupported_reason(g) is None
-    plan = backend.attention.plan(c.cu_seqlens_q, c.seq_lens, g,
-                                  block_m=block_m if backend_name == "cuda" else None)
+    plan = backend.attention.plan(c.cu_seqlens_q, c.seq_lens, g, block_m=block_m)
     out = backend.attention(c.q, c.k_cache, c.v_cache, c.block_tables, plan)
     assert out.shape == c.q.shape and out.dtype == dtype
     assert_close(out, c.oracle(g.scale), dtype, f"{backend_name} q={q_lens} ctx={ctx_lens}")
@@ -164,7 +184,7 @@ def test_calls_of_one_plan_evaluated_together(backend):
     q_lens, ctx_lens = [16, 1], [1500, 700]
     g = Geometry(8, 2, 64, 16, mx.bfloat16, 0.125)
     cases = [PagedCase(q_lens, ctx_lens, 8, 2, 64, 16, mx.bfloat16, seed=s) for s in range(4)]
-    num_calls = cuda_attention.COUNTER_SETS + 2 if backend == "cuda" else len(cases)
+    num_calls = cuda_attention.COUNTER_SETS + 2 if backend.startswith("cuda") else len(cases)
     calls = [cases[i % len(cases)] for i in range(num_calls)]
     attention = get_backend(backend).attention
     plan = attention.plan(cases[0].cu_seqlens_q, cases[0].seq_lens, g)
@@ -565,11 +585,11 @@ def test_first_use_check_builds_every_tile_height(backend):
     for a compile."""
     from paged_prefix import canary
 
-    kernels = available_backends()[backend]
+    kernels = get_backend(backend)
     g = Geometry(32, 8, 64, 16, mx.bfloat16, 0.125)
     kernels.attention._kernels.clear()
     assert canary.check_attention(kernels, g) is None
-    if backend == "cuda":  # keyed (dtype, head_dim, group, block, block_m, warp_m)
+    if backend.startswith("cuda"):  # keyed (dtype, head_dim, group, block, block_m, warp_m)
         assert {key[4] for key in kernels.attention._kernels} == {64, 128}
     else:  # one height; keyed (kind, ...)
         assert ("attention", g.dtype, 64, 4, 16) in kernels.attention._kernels
@@ -617,3 +637,91 @@ def test_backends_build_without_a_device():
     backend = cuda_backend(lambda **kw: calls.append(kw) or (lambda **_: None))
     assert backend.attention.unsupported_reason(Geometry(8, 2, 64, 16, mx.float16, 0.1)) is None
     assert calls == [] and metal_backend(lambda **kw: None).name == "metal"
+
+
+def test_hopper_kernel_source_is_one_self_contained_unit():
+    """NVRTC gets no include path: the source declares what it uses, for either 16-bit type."""
+    for dtype, ab in ((mx.bfloat16, "bf16"), (mx.float16, "f16")):
+        g = Geometry(32, 8, 128, 16, dtype, 128 ** -0.5)
+        src = hopper_attention.kernel_source("paged_prefill_test", g)
+        assert "#include" not in src
+        assert 'extern "C" __global__' in src and "paged_prefill_test(" in src
+        assert f'#define AB "{ab}"' in src
+        assert f"QK_SCALE_BITS = {cuda_attention.qk_scale_bits(g.scale)}" in src
+
+
+def _zeros(output_shapes, output_dtypes):
+    return [mx.zeros(s, dtype=d) for s, d in zip(output_shapes, output_dtypes)]
+
+
+def test_hopper_kernel_launch_contract():
+    """The wgmma path's host side, with stand-ins: compiled once per variant for sm_90a and
+    launched as a cubin with the mma.sync kernel's inputs and outputs, then the query heads and
+    the table's width; 64-row tiles only; head dim 64 stays on the mma.sync kernel."""
+    compiled, launched, built = [], [], []
+
+    def compile_cubin(source, name, arch):
+        compiled.append((name, arch))
+        return b"cubin"
+
+    def precompiled(**kw):
+        launched.append(kw)
+        return _zeros(kw["output_shapes"], kw["output_dtypes"])
+
+    def cuda_kernel(**kw):
+        built.append(kw["name"])
+        return lambda inputs, output_shapes, output_dtypes, **_: _zeros(output_shapes, output_dtypes)
+
+    attention = hopper_attention.HopperPagedAttention(cuda_kernel, compile=compile_cubin,
+                                                      precompiled_kernel=precompiled)
+    c = PagedCase([16, 1], [1500, 700], 32, 8, 128, 16, mx.bfloat16)
+    g = Geometry(32, 8, 128, 16, mx.bfloat16, 128 ** -0.5)
+    plan = attention.plan(c.cu_seqlens_q, c.seq_lens, g)
+    assert plan.block_m == 64 and attention.tile_rows(g) == (64,) and plan.tiles.num_slots
+    for _ in range(2):
+        attention(c.q, c.k_cache, c.v_cache, c.block_tables, plan)
+    assert [arch for _, arch in compiled] == ["sm_90a"] and built == []
+    kw = launched[0]
+    assert kw["name"] == compiled[0][0] and kw["compiled_source"] == b"cubin"
+    assert kw["scalars"] == [32, c.block_tables.shape[1]]
+    assert kw["grid"] == (plan.tiles.num_items * 128, 1, 1) and kw["threadgroup"] == (128, 1, 1)
+    assert kw["ensure_row_contiguous"] and kw["shared_memory"] >= 2 * 2 * 64 * 128 * 2 + 1024
+    assert len(kw["inputs"]) == 7 and kw["inputs"][5] is not launched[1]["inputs"][5]  # sets
+    with pytest.raises(ValueError, match="block_m"):
+        attention.plan(c.cu_seqlens_q, c.seq_lens, g, block_m=128)
+    c64 = PagedCase([5], [40], 8, 2, 64, 16, mx.bfloat16)
+    g64 = Geometry(8, 2, 64, 16, mx.bfloat16, 0.125)
+    plan64 = attention.plan(c64.cu_seqlens_q, c64.seq_lens, g64, block_m=128)
+    attention(c64.q, c64.k_cache, c64.v_cache, c64.block_tables, plan64)
+    assert len(built) == 1 and "_m128_" in built[0] and len(launched) == 2
+
+
+def test_cuda_backend_logs_which_kernel_it_runs(caplog):
+    with caplog.at_level(logging.INFO, logger="jit_kernels"):
+        backend = cuda_backend(lambda **_: None)
+    kind = "wgmma" if HAS_WGMMA else "mma.sync"
+    assert isinstance(backend.attention, hopper_attention.HopperPagedAttention) == HAS_WGMMA
+    assert f"CUDA paged attention: the {kind} kernel" in caplog.text
+    if not HAS_CUDA:
+        assert "no CUDA device" in caplog.text
+
+
+def test_missing_nvrtc_is_a_clear_error(monkeypatch):
+    monkeypatch.setattr(nvrtc, "_candidates", lambda: ["/nonexistent/libnvrtc.so.13"])
+    nvrtc.library.cache_clear()
+    try:
+        with pytest.raises(nvrtc.NvrtcError, match="libnvrtc.so.13 not found"):
+            nvrtc.compile_cubin("", "x", "sm_90a")
+        assert not nvrtc.available()
+    finally:
+        nvrtc.library.cache_clear()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not HAS_WGMMA, reason="no Hopper GPU")
+def test_hopper_gpu_runs_the_wgmma_kernel_at_head_dim_128():
+    attention = available_backends()["cuda"].attention
+    assert isinstance(attention, hopper_attention.HopperPagedAttention)
+    attention._kernels.clear()
+    check("cuda", [16, 3], [300, 0])
+    assert attention._kernels and all(key[0] == "wgmma" for key in attention._kernels)
