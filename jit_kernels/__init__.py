@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import os
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -24,6 +25,9 @@ from .page_gather import PageGather
 from .support import Geometry
 
 log = logging.getLogger(__name__)
+# "0": the mma.sync kernel even where the wgmma one can run (it costs ~10 us more host time a
+# call: in host-bound steps the mma.sync kernel's forward is 0-4% faster, docs/gpu.md).
+WGMMA_ENV_VAR = "PAGED_PREFIX_CUDA_WGMMA"
 
 SdpaRule = Callable[[np.ndarray, np.ndarray, Geometry, np.ndarray | None],
                     "rules.SdpaPick | None"]
@@ -44,10 +48,15 @@ class KernelBackend:
 
 def cuda_backend(cuda_kernel=None, wgmma: bool | None = None) -> KernelBackend:
     """`wgmma`: whether head dim 128 runs the Hopper kernel (`hopper_paged_attention`); None:
-    wherever this machine can (an sm_90 GPU and NVRTC), logged either way."""
+    wherever this machine can (an sm_90 GPU and NVRTC) unless PAGED_PREFIX_CUDA_WGMMA=0,
+    logged either way."""
     factory = cuda_kernel or mx.fast.cuda_kernel
     if wgmma is None:
-        why_not = hopper_paged_attention.unavailable_reason()
+        setting = os.environ.get(WGMMA_ENV_VAR, "")
+        if setting not in ("", "0", "1"):
+            raise ValueError(f"{WGMMA_ENV_VAR}: expected 0 or 1 (or unset), got {setting!r}")
+        why_not = (f"{WGMMA_ENV_VAR}=0" if setting == "0"
+                   else hopper_paged_attention.unavailable_reason())
         wgmma = why_not is None
         log.info("CUDA paged attention: %s", "the wgmma kernel (sm_90a) for head dim 128, "
                  "mma.sync for the others" if wgmma else f"the mma.sync kernel ({why_not})")

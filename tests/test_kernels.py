@@ -706,6 +706,17 @@ def test_cuda_backend_logs_which_kernel_it_runs(caplog):
         assert "no CUDA device" in caplog.text
 
 
+def test_wgmma_can_be_turned_off_and_a_bad_setting_is_refused(monkeypatch, caplog):
+    monkeypatch.setenv("PAGED_PREFIX_CUDA_WGMMA", "0")
+    with caplog.at_level(logging.INFO, logger="jit_kernels"):
+        backend = cuda_backend(lambda **_: None)
+    assert type(backend.attention) is cuda_attention.CudaPagedAttention
+    assert "the mma.sync kernel (PAGED_PREFIX_CUDA_WGMMA=0)" in caplog.text
+    monkeypatch.setenv("PAGED_PREFIX_CUDA_WGMMA", "yes")
+    with pytest.raises(ValueError, match="PAGED_PREFIX_CUDA_WGMMA"):
+        cuda_backend(lambda **_: None)
+
+
 def test_missing_nvrtc_is_a_clear_error(monkeypatch):
     monkeypatch.setattr(nvrtc, "_candidates", lambda: ["/nonexistent/libnvrtc.so.13"])
     nvrtc.library.cache_clear()
