@@ -19,9 +19,7 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 import sys
-import time
 from pathlib import Path
 
 import mlx.core as mx
@@ -30,7 +28,7 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from attention_sweep import GEOMETRY, Point, ceiling_fn, make_case, point_cost  # noqa: E402
+from attention_sweep import GEOMETRY, Point, ceiling_fn, make_case, point_cost, time_per_call  # noqa: E402
 from chained_attention import ceiling_gpu_us, copies_past_l2  # noqa: E402
 from gpu_time import gpu_us, gpu_us_together  # noqa: E402
 
@@ -41,14 +39,10 @@ POINTS = [(c, lq) for lq in (16, 64) for c in (0, 1024, 4096, 16384)] + \
 CALLS = 20
 
 
-def wall_us(fn, calls: int = 200, samples: int = 7) -> float:
-    mx.eval(fn())
-    times = []
-    for _ in range(samples):
-        t0 = time.perf_counter()
-        mx.eval([fn() for _ in range(calls)])
-        times.append((time.perf_counter() - t0) / calls * 1e6)
-    return statistics.median(times)
+def wall_us(fn) -> float:
+    """The sweep's wall-clock timing, held at 200 calls per evaluation (no point's call takes
+    the 5 ms that would make it fewer) and 7 samples."""
+    return time_per_call(fn, budget_s=1.0, samples=7) * 1e6
 
 
 def kernel_timings(kernel, plan, case, copies) -> dict:

@@ -277,8 +277,8 @@ class HopperPagedAttention(cpa.CudaPagedAttention):
 
     def plan(self, cu_seqlens_q, seq_lens, geometry: Geometry, seqs=None,
              block_m: int | None = None) -> cpa.CudaAttentionPlan:
-        if self.uses_wgmma(geometry):
-            block_m = self._block_m(block_m, geometry) or BLOCK_M
+        if block_m is None and self.uses_wgmma(geometry):
+            block_m = BLOCK_M  # the parent checks a caller's height against tile_rows
         return super().plan(cu_seqlens_q, seq_lens, geometry, seqs=seqs, block_m=block_m)
 
     def _kernel(self, g: Geometry, block_m: int, warp_m: int):
