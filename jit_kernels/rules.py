@@ -23,15 +23,15 @@ from .support import Geometry, page_runs
 # (on Hopper at D=128 the wgmma one) / SDPA (over the new rows at C=0, else over the pages the
 # gather copied):
 #              Lq=128         256            512
-#   C=0        6.3 / 8.0      9.2 / 10.9     16.6 / 14.1
-#   C=1024     19.6 / 23.7    30.9 / 26.3    41.1 / 30.4
-#   C=4096     45.3 / 64.9    94.1 / 68.5    114.2 / 73.3
-#   C=16384    144.0 / 231.5  208.5 / 234.8  402.0 / 249.0
+#   C=0        6.3 / 8.0      9.6 / 10.9     16.5 / 14.2
+#   C=1024     20.2 / 23.5    31.0 / 26.1    41.0 / 30.4
+#   C=4096     45.3 / 64.9    93.8 / 68.7    114.8 / 72.9
+#   C=16384    143.3 / 232.2  209.9 / 234.5  405.7 / 247.8
 # cuDNN's SDPA reaches ~1.6-1.8x the kernel's TFLOP/s at long suffixes, so once a suffix is long
 # enough the gather costs less than the FLOPs it saves: at 128 new tokens and below the
-# kernel's single launch and split KV win everywhere; at 256 it is a draw (the kernel 0.85x and
-# 0.89x at C=0 and 16384, 1.18x and 1.37x at 1024 and 4096); from 512 SDPA wins everywhere.
-# The mma.sync kernel (the previous round, docs/h200/crossover_previous_round.txt) crossed
+# kernel's single launch and split KV win everywhere; at 256 it is a draw (the kernel 0.88x and
+# 0.89x at C=0 and 16384, 1.19x and 1.36x at 1024 and 4096); from 512 SDPA wins everywhere.
+# The mma.sync kernel (docs/h200/crossover_previous_round.txt, before the wgmma kernel) crossed
 # between 128 and 256 too. At 4096 new tokens SDPA takes ~0.55-0.6x the kernel's time
 # (docs/gpu.md). End to end (bench/test_bench_prefill.py, docs/h200/prefill.json) a 416-token
 # suffix over 3680 cached tokens also ran no slower on SDPA (8B shape: 17.4 vs 20.7 ms). SDPA
