@@ -111,7 +111,8 @@ ATTENTION_SOURCE = r"""
   constexpr int GROUP_BYTES = 8 * 128;   // a swizzle atom: 8 rows of 128 bytes
   constexpr int HALF = BLOCK_N * 64, TILE = BLOCK_N * D;  // elements: a 64-column block, a tile
   static_assert(D % 64 == 0, "whole 128-byte swizzle rows");
-  static_assert(BS % ROWS_PER_PASS == 0, "a load pass's rows lie in one page");
+  // a key tile starts a page (KV_START is a multiple of BLOCK_N); a load pass stays in one page
+  static_assert(BLOCK_N % BS == 0 && BS % ROWS_PER_PASS == 0, "pages and load passes nest");
   extern __shared__ __align__(16) unsigned char smem[];
   // swizzle atoms start on 1024-byte boundaries (the launch asks for 1024 bytes of slack)
   T* sK = reinterpret_cast<T*>(smem + ((1024 - (smem_addr(smem) & 1023)) & 1023));
