@@ -141,11 +141,10 @@ ATTENTION_SOURCE = r"""
     for (int pass = 0; pass < BLOCK_N / ROWS_PER_PASS; ++pass) {
       const int r = tid / CHUNKS + pass * ROWS_PER_PASS, key = n0 + r;
       const bool ok = key < kv_end;
-      // n0 is a multiple of BS: a pass's rows share one page, one broadcast table load. With
-      // the loads issued behind the S wgmma, fewer instructions where three blocks share an SM:
-      // 0.95-0.96x the time of 20 calls at once at long suffixes on the H200 (either change
-      // alone: no faster); one call at a time 0.95-1.0x there, and 1.03-1.06x at Lq=16 over a
-      // cached prefix, whose short splits wait on each tile's loads.
+      // a pass's rows share one page: one broadcast table load. With the loads issued behind
+      // the S wgmma, fewer instructions where three blocks share an SM: 0.95-0.96x the time of
+      // 20 calls at once at long suffixes (H200), but 1.03-1.06x one call at a time at Lq=16
+      // over a cached prefix, whose short splits wait on each tile's loads (docs/gpu.md).
       const int first = n0 + pass * ROWS_PER_PASS;
       const size_t off =
           static_cast<size_t>(table[(first < kv_end ? first : kv_start) / BS]) * page_stride +
