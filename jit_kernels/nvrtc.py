@@ -47,14 +47,6 @@ def library() -> ctypes.CDLL:
                      f"sys.path and CUDA_HOME): {'; '.join(tried) or 'no candidate exists'}")
 
 
-def available() -> bool:
-    try:
-        library()
-    except NvrtcError:
-        return False
-    return True
-
-
 def _check(lib: ctypes.CDLL, status: int, call: str) -> None:
     if status:
         lib.nvrtcGetErrorString.restype = ctypes.c_char_p

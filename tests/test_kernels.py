@@ -723,7 +723,8 @@ def test_missing_nvrtc_is_a_clear_error(monkeypatch):
     try:
         with pytest.raises(nvrtc.NvrtcError, match="libnvrtc.so.13 not found"):
             nvrtc.compile_cubin("", "x", "sm_90a")
-        assert not nvrtc.available()
+        with pytest.raises(nvrtc.NvrtcError, match="libnvrtc.so.13 not found"):
+            nvrtc.library()
     finally:
         nvrtc.library.cache_clear()
 
