@@ -96,6 +96,55 @@ __device__ __forceinline__ uint64_t smem_desc(uint32_t addr, uint32_t lead, uint
 }
 """ + _wgmma(cpa.BLOCK_N) + _wgmma(128)
 
+# Q as the A operand and the running softmax state of rows row_lo and row_lo + 8 of a warp (the
+# m16n8k16 layout; padding rows are zero), P packed from a tile's probabilities, and O += P V
+# from the V tile at v_t; the warp-specialized prototype (bench/hopper_ws_prototype.py) takes
+# them too.
+Q_AND_STATE = r"""
+  uint32_t qf[KSTEPS][4];
+  for (int i = 0; i < 2; ++i) {
+    const int row = row_lo + 8 * i;
+    const bool ok = row < rows;
+    const T* src = q + (static_cast<size_t>(tok0 + (ok ? row : 0) / GROUP) * H + kvh * GROUP +
+                        (ok ? row : 0) % GROUP) * D + (lane % 4) * 2;
+#pragma unroll
+    for (int ks = 0; ks < KSTEPS; ++ks) {
+      qf[ks][i] = ok ? *reinterpret_cast<const uint32_t*>(src + ks * 16) : 0u;
+      qf[ks][2 + i] = ok ? *reinterpret_cast<const uint32_t*>(src + ks * 16 + 8) : 0u;
+    }
+  }
+
+  float o[MT][DTILES][4] = {};
+  float m_run[MT][2], l_run[MT][2];
+  int pos_row[MT][2];
+  for (int i = 0; i < 2; ++i) {
+    m_run[0][i] = -INFINITY;
+    l_run[0][i] = 0.f;
+    pos_row[0][i] = pos0 + (row_lo + 8 * i) / GROUP;
+  }
+  const int mask_from = min(pos0 + 1, kv_end);
+"""
+PACK_P = r"""
+    uint32_t p[BLOCK_N / 16][4];  // P as the A operand, 16 keys per k-step
+#pragma unroll
+    for (int kk = 0; kk < BLOCK_N / 16; ++kk) {
+      p[kk][0] = Mma<T>::pack(s[0][2 * kk][0], s[0][2 * kk][1]);
+      p[kk][1] = Mma<T>::pack(s[0][2 * kk][2], s[0][2 * kk][3]);
+      p[kk][2] = Mma<T>::pack(s[0][2 * kk + 1][0], s[0][2 * kk + 1][1]);
+      p[kk][3] = Mma<T>::pack(s[0][2 * kk + 1][2], s[0][2 * kk + 1][3]);
+    }
+"""
+PV_PRODUCT = r"""    wgmma_fence();
+#pragma unroll
+    for (int kk = 0; kk < BLOCK_N / 16; ++kk)  // N-major B: 64-column blocks HALF apart
+      wgmma_n128<1>(&o[0][0][0], p[kk], true,
+                    smem_desc(v_t + kk * 2 * GROUP_BYTES, HALF * 2, GROUP_BYTES));
+    wgmma_commit();
+    wgmma_wait();
+    for (int dt = 0; dt < DTILES; ++dt)
+      for (int e = 0; e < 4; ++e) pin(o[0][dt][e]);
+"""
+
 # Inputs, outputs, grid: as cuda_paged_attention's ATTENTION_SOURCE (BLOCK_M = 64, WARP_M = 16,
 # 128 threads), then the scalars H (query heads) and MAX_BLOCKS (block_tables' width).
 # Compile-time: T (16-bit storage), AB ("bf16" / "f16"), HEAD_DIM, GROUP, BS, QK_SCALE_BITS, STAGES,
@@ -161,30 +210,7 @@ ATTENTION_SOURCE = r"""
   }
 
   // Q fragments straight from global memory (the m16n8k16 A layout; padding rows are zero)
-  const int row_lo = warp * 16 + lane / 4;
-  uint32_t qf[KSTEPS][4];
-  for (int i = 0; i < 2; ++i) {
-    const int row = row_lo + 8 * i;
-    const bool ok = row < rows;
-    const T* src = q + (static_cast<size_t>(tok0 + (ok ? row : 0) / GROUP) * H + kvh * GROUP +
-                        (ok ? row : 0) % GROUP) * D + (lane % 4) * 2;
-#pragma unroll
-    for (int ks = 0; ks < KSTEPS; ++ks) {
-      qf[ks][i] = ok ? *reinterpret_cast<const uint32_t*>(src + ks * 16) : 0u;
-      qf[ks][2 + i] = ok ? *reinterpret_cast<const uint32_t*>(src + ks * 16 + 8) : 0u;
-    }
-  }
-
-  float o[MT][DTILES][4] = {};
-  float m_run[MT][2], l_run[MT][2];
-  int pos_row[MT][2];
-  for (int i = 0; i < 2; ++i) {
-    m_run[0][i] = -INFINITY;
-    l_run[0][i] = 0.f;
-    pos_row[0][i] = pos0 + (row_lo + 8 * i) / GROUP;
-  }
-  const int mask_from = min(pos0 + 1, kv_end);
-
+  const int row_lo = warp * 16 + lane / 4;""" + Q_AND_STATE + r"""
   for (int t = 0; t < num_tiles; ++t) {
     const int n0 = kv_start + t * BLOCK_N, buf = t % STAGES;
     cp_async_wait<STAGES - 2>();  // tile t has landed (this thread's part) ...
@@ -206,25 +232,7 @@ ATTENTION_SOURCE = r"""
     wgmma_wait();
     for (int nt = 0; nt < NTILES; ++nt)
       for (int e = 0; e < 4; ++e) pin(s[0][nt][e]);
-""" + cpa.ONLINE_SOFTMAX + cpa.RESCALE_O + r"""
-    uint32_t p[BLOCK_N / 16][4];  // P as the A operand, 16 keys per k-step
-#pragma unroll
-    for (int kk = 0; kk < BLOCK_N / 16; ++kk) {
-      p[kk][0] = Mma<T>::pack(s[0][2 * kk][0], s[0][2 * kk][1]);
-      p[kk][1] = Mma<T>::pack(s[0][2 * kk][2], s[0][2 * kk][3]);
-      p[kk][2] = Mma<T>::pack(s[0][2 * kk + 1][0], s[0][2 * kk + 1][1]);
-      p[kk][3] = Mma<T>::pack(s[0][2 * kk + 1][2], s[0][2 * kk + 1][3]);
-    }
-    wgmma_fence();
-#pragma unroll
-    for (int kk = 0; kk < BLOCK_N / 16; ++kk)  // N-major B: 64-column blocks HALF apart
-      wgmma_n128<1>(&o[0][0][0], p[kk], true,
-                    smem_desc(v_t + kk * 2 * GROUP_BYTES, HALF * 2, GROUP_BYTES));
-    wgmma_commit();
-    wgmma_wait();
-    for (int dt = 0; dt < DTILES; ++dt)
-      for (int e = 0; e < 4; ++e) pin(o[0][dt][e]);
-  }
+""" + cpa.ONLINE_SOFTMAX + cpa.RESCALE_O + PACK_P + PV_PRODUCT + r"""  }
 """ + cpa.SPLIT_EPILOGUE
 
 _SOURCE_HASH = support.source_hash(PRELUDE, HEADER, ATTENTION_SOURCE,
