@@ -1,0 +1,215 @@
+"""Can a paged kernel load its K/V pages with Hopper's tensor memory accelerator (TMA) from MLX?
+
+    python bench/tma_probe.py [--out tma_probe.json]      # CUDA, sm_90 (H100, H200)
+
+A TMA load reads a tile through a tensor map: 128 bytes the driver encodes on the host
+(`cuTensorMapEncodeTiled`), holding the tensor's device address. MLX hands a kernel its arrays'
+addresses on the device only, so the host encodes a template with a placeholder address and
+each threadblock patches in the cache's (`tensormap.replace`, sm_90a), publishes its copy to
+global memory with the proxy fence the TMA unit needs (`tensormap.cp_fenceproxy`), and loads
+every page of its share through it, a box of (64 elements of D, one kv head, one page) per
+copy, into the 128-byte swizzled layout the wgmma kernel reads (chunk c of row r at c ^ r % 8).
+
+Checked: the pages gathered this way equal the cache's rows byte for byte, at block sizes 8,
+16 and 32 and both halves of D = 128. Timed on the GPU alone: a gather of every page of one kv
+head for 131072 keys (32 MiB read, 512 blocks of 16 pages), by TMA and by cp.async (the wgmma
+kernel's own load), GB/s read.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+import json
+import sys
+from pathlib import Path
+
+import mlx.core as mx
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from gpu_time import gpu_us_together  # noqa: E402
+
+from jit_kernels import hopper_paged_attention, nvrtc, support  # noqa: E402
+
+HEAD_DIM, KV_HEADS = 128, 8
+HALF = 64  # elements of D per box: one 128-byte swizzle row
+PAGES_PER_BLOCK = 16
+# cuda.h enums (CUDA 12/13)
+BFLOAT16, SWIZZLE_128B, L2_PROMOTION_128B = 9, 3, 2
+
+# Grid: one threadblock of 128 threads per PAGES_PER_BLOCK pages (n_pages a multiple of it).
+# In: tmap_tpl (uint8 [128], the encoded template), k_cache (bf16 [rows, KV_HEADS, HEAD_DIM]),
+# table (int32 [n_pages]); out: pages (bf16 [n_pages * BS, HEAD_DIM]) of kv head `head`,
+# tmaps (uint8 [blocks * 128], each block's patched map). BS, TMA (1: tensor map, 0: cp.async)
+# are compile-time.
+SOURCE = r"""
+typedef unsigned int uint32_t;
+typedef unsigned long long uint64_t;
+__device__ __forceinline__ uint32_t smem_addr(const void* p) {
+  return static_cast<uint32_t>(__cvta_generic_to_shared(p));
+}
+
+extern "C" __global__ void __launch_bounds__(128) NAME(
+    const unsigned char* tmap_tpl, const unsigned short* k_cache, const int* table,
+    unsigned short* pages, unsigned char* tmaps, int head) {
+  constexpr int ROW_BYTES = 128, BOX_BYTES = BS * ROW_BYTES;
+  extern __shared__ __align__(16) unsigned char smem_raw[];
+  // 128-byte swizzle: boxes start on 1024-byte boundaries (the launch adds the slack)
+  unsigned char* tile = smem_raw + ((1024 - (smem_addr(smem_raw) & 1023)) & 1023);
+  __shared__ __align__(128) unsigned char tmap[128];
+  __shared__ __align__(8) uint64_t full;
+  const int tid = threadIdx.x;
+  const int first = blockIdx.x * PAGES;
+  unsigned char* my_map = tmaps + static_cast<size_t>(blockIdx.x) * 128;
+  if (TMA) {
+    if (tid < 32) {
+      reinterpret_cast<uint32_t*>(tmap)[tid] = reinterpret_cast<const uint32_t*>(tmap_tpl)[tid];
+      __syncwarp();
+      if (tid == 0)
+        asm volatile("tensormap.replace.tile.global_address.shared::cta.b1024.b64 [%0], %1;"
+                     :: "r"(smem_addr(tmap)), "l"(k_cache) : "memory");
+      __syncwarp();
+      asm volatile("tensormap.cp_fenceproxy.global.shared::cta.tensormap::generic.release.gpu"
+                   ".sync.aligned [%0], [%1], 128;" :: "l"(my_map), "r"(smem_addr(tmap))
+                   : "memory");
+    }
+    if (tid == 0) {
+      asm volatile("fence.proxy.tensormap::generic.acquire.gpu [%0], 128;" :: "l"(my_map)
+                   : "memory");
+      asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;" :: "r"(smem_addr(&full)));
+      asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+    }
+    __syncthreads();
+    if (tid == 0) {
+      asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;"
+                   :: "r"(smem_addr(&full)), "r"(PAGES * 2 * BOX_BYTES) : "memory");
+      for (int p = 0; p < PAGES; ++p)
+        for (int half = 0; half < 2; ++half)
+          asm volatile("cp.async.bulk.tensor.3d.shared::cluster.global.tile.mbarrier::"
+                       "complete_tx::bytes [%0], [%1, {%2, %3, %4}], [%5];"
+                       :: "r"(smem_addr(tile + (2 * p + half) * BOX_BYTES)), "l"(my_map),
+                          "r"(half * 64), "r"(head), "r"(table[first + p] * BS),
+                          "r"(smem_addr(&full)) : "memory");
+    }
+    asm volatile("{\n.reg .pred done;\nWAIT_%=:\n"
+                 "mbarrier.try_wait.parity.shared::cta.b64 done, [%0], 0;\n"
+                 "@!done bra WAIT_%=;\n}\n" :: "r"(smem_addr(&full)) : "memory");
+  } else {
+    // the wgmma kernel's way: every thread resolves the page of each 16-byte chunk it copies
+    for (int i = tid; i < PAGES * BS * 16; i += 128) {
+      const int p = i / (BS * 16), r = (i / 16) % BS, c16 = i % 16, half = c16 / 8, c = c16 % 8;
+      const unsigned short* src = k_cache + (static_cast<size_t>(table[first + p]) * BS + r) *
+                                  (KV_HEADS * 128) + head * 128 + c16 * 8;
+      const uint32_t dst = smem_addr(tile + (2 * p + half) * BOX_BYTES + r * ROW_BYTES +
+                                     ((c ^ (r % 8)) * 16));
+      asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" :: "r"(dst), "l"(src));
+    }
+    asm volatile("cp.async.wait_all;\n" ::: "memory");
+    __syncthreads();
+  }
+  // un-swizzle into rows of `pages`: chunk c of row r sits at c ^ (r % 8)
+  for (int i = tid; i < PAGES * BS * 16; i += 128) {
+    const int p = i / (BS * 16), r = (i / 16) % BS, c16 = i % 16, half = c16 / 8, c = c16 % 8;
+    const uint4 v = *reinterpret_cast<const uint4*>(
+        tile + (2 * p + half) * BOX_BYTES + r * ROW_BYTES + ((c ^ (r % 8)) * 16));
+    *reinterpret_cast<uint4*>(pages + (static_cast<size_t>(first + p) * BS + r) * 128 +
+                              c16 * 8) = v;
+  }
+}
+"""
+
+
+def encode_template(rows: int, block_size: int, kv_heads: int = KV_HEADS,
+                    head_dim: int = HEAD_DIM) -> np.ndarray:
+    """The tensor map of a 16-bit cache [rows, kv_heads, head_dim], box (HALF, 1, block_size),
+    128-byte swizzle, its address a placeholder the kernel replaces."""
+    cuda = ctypes.CDLL("libcuda.so.1")
+    buf = ctypes.create_string_buffer(128 + 64)
+    at = (ctypes.addressof(buf) + 63) // 64 * 64  # CUtensorMap is 64-byte aligned
+    u64, u32 = ctypes.c_uint64, ctypes.c_uint32
+    dims = (u64 * 3)(head_dim, kv_heads, rows)
+    strides = (u64 * 2)(head_dim * 2, kv_heads * head_dim * 2)  # bytes, dims 1 and 2
+    box = (u32 * 3)(HALF, 1, block_size)
+    ones = (u32 * 3)(1, 1, 1)
+    status = cuda.cuTensorMapEncodeTiled(
+        ctypes.c_void_p(at), ctypes.c_int(BFLOAT16), u32(3), ctypes.c_void_p(1 << 20), dims,
+        strides, box, ones, ctypes.c_int(0), ctypes.c_int(SWIZZLE_128B),
+        ctypes.c_int(L2_PROMOTION_128B), ctypes.c_int(0))
+    if status:
+        raise RuntimeError(f"cuTensorMapEncodeTiled: CUresult {status}")
+    return np.frombuffer(ctypes.string_at(at, 128), dtype=np.uint8).copy()
+
+
+_kernels: dict = {}
+
+
+def gather_pages(k_cache: mx.array, table: mx.array, template: mx.array, head: int,
+                 block_size: int, tma: bool) -> mx.array:
+    key = (block_size, tma)
+    if key not in _kernels:
+        tag = support.source_hash(SOURCE, str(key))
+        name = f"tma_probe_{tag}_b{block_size}_{int(tma)}"
+        source = (f"constexpr int BS = {block_size}, PAGES = {PAGES_PER_BLOCK}, "
+                  f"KV_HEADS = {KV_HEADS}, TMA = {int(tma)};\n" + SOURCE.replace("NAME", name))
+        _kernels[key] = name, nvrtc.compile_cubin(source, name, "sm_90a")
+    name, cubin = _kernels[key]
+    n_pages = table.shape[0]
+    blocks = n_pages // PAGES_PER_BLOCK
+    return mx.fast.precompiled_cuda_kernel(
+        name=name, compiled_source=cubin, inputs=[template, k_cache, table],
+        output_shapes=[(n_pages * block_size, HEAD_DIM), (blocks * 128,)],
+        output_dtypes=[mx.bfloat16, mx.uint8], scalars=[head], grid=(blocks * 128, 1, 1),
+        threadgroup=(128, 1, 1), shared_memory=PAGES_PER_BLOCK * 2 * block_size * 128 + 1024,
+        ensure_row_contiguous=True)[0]
+
+
+def case(block_size: int, n_pages: int, seed: int = 0):
+    rng = np.random.default_rng(seed)
+    num_blocks = n_pages + 7
+    k = mx.random.normal((num_blocks * block_size, KV_HEADS, HEAD_DIM),
+                         key=mx.random.key(seed)).astype(mx.bfloat16)
+    table = rng.permutation(num_blocks)[:n_pages].astype(np.int32)
+    template = mx.array(encode_template(num_blocks * block_size, block_size))
+    mx.eval(k, template)
+    return k, mx.array(table), table, template
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", type=Path)
+    args = parser.parse_args()
+    why = hopper_paged_attention.unavailable_reason()
+    if why:
+        raise SystemExit(f"needs a Hopper GPU: {why}")
+    report = {"checks": [], "timing": []}
+    for bs in (8, 16, 32):
+        k, table, table_host, template = case(bs, 4 * PAGES_PER_BLOCK, seed=bs)
+        rows = np.array(k.view(mx.uint16)).reshape(-1, bs, KV_HEADS, HEAD_DIM)
+        for head in (0, KV_HEADS - 1):
+            want = rows[table_host, :, head].reshape(-1, HEAD_DIM)
+            for tma in (True, False):
+                got = np.array(gather_pages(k, table, template, head, bs, tma).view(mx.uint16))
+                ok = bool(np.array_equal(got, want))
+                report["checks"].append({"block_size": bs, "head": head, "tma": tma, "exact": ok})
+                print(f"block {bs:2d} head {head} {'tma     ' if tma else 'cp.async'} "
+                      f"{'exact' if ok else 'DIFFERS'}", flush=True)
+    bs, keys = 16, 131072
+    k, table, _, template = case(bs, keys // bs)
+    read = keys * HEAD_DIM * 2
+    for tma in (True, False):
+        us = gpu_us_together([lambda tma=tma: gather_pages(k, table, template, 0, bs, tma)] * 20)
+        report["timing"].append({"keys": keys, "tma": tma, "us": us,
+                                 "gbps_read": read / us / 1e3})
+        print(f"{keys} keys of one kv head, {'tma' if tma else 'cp.async'}: {us:.2f} us a call, "
+              f"{read / us / 1e3:.0f} GB/s read", flush=True)
+    if args.out:
+        args.out.write_text(json.dumps(report, indent=1))
+    if not all(c["exact"] for c in report["checks"]):
+        raise SystemExit("a TMA or cp.async gather differs from the cache")
+
+
+if __name__ == "__main__":
+    main()
