@@ -34,7 +34,7 @@ import mlx.core as mx
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from tma_probe import encode_template  # noqa: E402
+from tma_probe import TMA_DEVICE, encode_template  # noqa: E402
 
 from jit_kernels import cuda_paged_attention as cpa  # noqa: E402
 from jit_kernels import hopper_paged_attention as hp  # noqa: E402
@@ -47,30 +47,6 @@ KV_TILE = 128  # keys a stage holds (64: 1.15x the time at C16384_Lq512, docs/gp
 STAGES = 2  # 3 measured no faster
 THREADS = 384
 PRODUCER_REGS, CONSUMER_REGS = 40, 232  # 128 x 40 + 256 x 232 <= 64K registers
-
-MBARRIER_AND_TMA = r"""
-__device__ __forceinline__ void mbar_init(uint32_t bar, int count) {
-  asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" :: "r"(bar), "r"(count) : "memory");
-}
-__device__ __forceinline__ void mbar_wait(uint32_t bar, int phase) {
-  asm volatile("{\n.reg .pred done;\nWAIT_%=:\n"
-               "mbarrier.try_wait.parity.shared::cta.b64 done, [%0], %1;\n"
-               "@!done bra WAIT_%=;\n}\n" :: "r"(bar), "r"(phase) : "memory");
-}
-__device__ __forceinline__ void mbar_arrive(uint32_t bar) {
-  asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];" :: "r"(bar) : "memory");
-}
-__device__ __forceinline__ void mbar_expect(uint32_t bar, uint32_t bytes) {
-  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" :: "r"(bar), "r"(bytes)
-               : "memory");
-}
-__device__ __forceinline__ void tma_load(uint32_t dst, const void* map, int c0, int c1, int c2,
-                                         uint32_t bar) {
-  asm volatile("cp.async.bulk.tensor.3d.shared::cluster.global.tile.mbarrier::complete_tx::bytes"
-               " [%0], [%1, {%2, %3, %4}], [%5];"
-               :: "r"(dst), "l"(map), "r"(c0), "r"(c1), "r"(c2), "r"(bar) : "memory");
-}
-"""
 
 # The wgmma kernel's online softmax, O rescale, P packing and O += P V, at this tile width
 SOFTMAX_AND_P = (cpa.ONLINE_SOFTMAX + cpa.RESCALE_O + hp.PACK_P).replace("BLOCK_N", "KV_TILE")
@@ -100,24 +76,10 @@ KERNEL = r"""
   unsigned char* maps_g = maps + static_cast<size_t>(blockIdx.x) * 256;
 
   if (tid < 32) {  // the block's K and V maps: the template, with the caches' addresses
-    for (int m = 0; m < 2; ++m)
-      reinterpret_cast<uint32_t*>(maps_s[m])[lane] = reinterpret_cast<const uint32_t*>(tmap)[lane];
-    __syncwarp();
+    const void* const bases[2] = {k_cache, v_cache};
+    publish_maps<2>(lane, tmap, bases, maps_s, maps_g);
     if (lane == 0) {
-      asm volatile("tensormap.replace.tile.global_address.shared::cta.b1024.b64 [%0], %1;"
-                   :: "r"(smem_addr(maps_s[0])), "l"(k_cache) : "memory");
-      asm volatile("tensormap.replace.tile.global_address.shared::cta.b1024.b64 [%0], %1;"
-                   :: "r"(smem_addr(maps_s[1])), "l"(v_cache) : "memory");
-    }
-    __syncwarp();
-    for (int m = 0; m < 2; ++m)
-      asm volatile("tensormap.cp_fenceproxy.global.shared::cta.tensormap::generic.release.gpu"
-                   ".sync.aligned [%0], [%1], 128;" :: "l"(maps_g + 128 * m),
-                   "r"(smem_addr(maps_s[m])) : "memory");
-    if (lane == 0) {
-      for (int m = 0; m < 2; ++m)
-        asm volatile("fence.proxy.tensormap::generic.acquire.gpu [%0], 128;"
-                     :: "l"(maps_g + 128 * m) : "memory");
+      acquire_maps<2>(maps_g);
       for (int st = 0; st < STAGES; ++st) {
         mbar_init(smem_addr(&full_k[st]), 1);
         mbar_init(smem_addr(&full_v[st]), 1);
@@ -200,7 +162,7 @@ KERNEL = r"""
           Mma<T>::pack(o[0][dt][2 * i] * inv, o[0][dt][2 * i + 1] * inv);
   }
 """
-_SOURCE_HASH = support.source_hash(hp.PRELUDE, hp.HEADER, MBARRIER_AND_TMA, KERNEL,
+_SOURCE_HASH = support.source_hash(hp.PRELUDE, hp.HEADER, TMA_DEVICE, KERNEL,
                                    f"{BLOCK_M} {KV_TILE} {STAGES} {PRODUCER_REGS} {CONSUMER_REGS}")
 
 
@@ -213,7 +175,7 @@ def kernel_source(name: str, g: Geometry) -> str:
     params = ("const T* q, const T* k_cache, const T* v_cache, const int* block_tables, "
               "const int* work, const unsigned char* tmap, T* out, unsigned char* maps, int H, "
               "int MAX_BLOCKS")
-    return (hp.PRELUDE + constants + hp.HEADER + MBARRIER_AND_TMA +
+    return (hp.PRELUDE + constants + hp.HEADER + TMA_DEVICE +
             f'extern "C" __global__ void __launch_bounds__({THREADS}, 1) {name}({params}) {{\n' +
             KERNEL + "}\n")
 

@@ -40,6 +40,61 @@ PAGES_PER_BLOCK = 16
 # cuda.h enums (CUDA 12/13)
 BFLOAT16, SWIZZLE_128B, L2_PROMOTION_128B = 9, 3, 2
 
+# Device helpers of a kernel loading by TMA (this probe's and bench/hopper_ws_prototype.py's):
+# mbarriers, a 3-d tile load completing on one, and the block's own copies of tensor maps.
+TMA_DEVICE = r"""
+__device__ __forceinline__ void mbar_init(uint32_t bar, int count) {
+  asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" :: "r"(bar), "r"(count) : "memory");
+}
+__device__ __forceinline__ void mbar_wait(uint32_t bar, int phase) {
+  asm volatile("{\n.reg .pred done;\nWAIT_%=:\n"
+               "mbarrier.try_wait.parity.shared::cta.b64 done, [%0], %1;\n"
+               "@!done bra WAIT_%=;\n}\n" :: "r"(bar), "r"(phase) : "memory");
+}
+__device__ __forceinline__ void mbar_arrive(uint32_t bar) {
+  asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];" :: "r"(bar) : "memory");
+}
+__device__ __forceinline__ void mbar_expect(uint32_t bar, uint32_t bytes) {
+  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" :: "r"(bar), "r"(bytes)
+               : "memory");
+}
+__device__ __forceinline__ void tma_load(uint32_t dst, const void* map, int c0, int c1, int c2,
+                                         uint32_t bar) {
+  asm volatile("cp.async.bulk.tensor.3d.shared::cluster.global.tile.mbarrier::complete_tx::bytes"
+               " [%0], [%1, {%2, %3, %4}], [%5];"
+               :: "r"(dst), "l"(map), "r"(c0), "r"(c1), "r"(c2), "r"(bar) : "memory");
+}
+// One whole warp (lane: its lane): the template `tpl` copied to `staged` (shared, 128-byte
+// aligned) for each of the N tensors at `bases`, its address patched in (MLX gives a kernel its
+// arrays' addresses on the device only) and published to `published` (global, N x 128 bytes);
+// the thread that loads through them then calls acquire_maps.
+template <int N>
+__device__ __forceinline__ void publish_maps(int lane, const unsigned char* tpl,
+                                             const void* const (&bases)[N],
+                                             unsigned char (*staged)[128],
+                                             unsigned char* published) {
+  for (int m = 0; m < N; ++m)
+    reinterpret_cast<uint32_t*>(staged[m])[lane] = reinterpret_cast<const uint32_t*>(tpl)[lane];
+  __syncwarp();
+  if (lane == 0)
+    for (int m = 0; m < N; ++m)
+      asm volatile("tensormap.replace.tile.global_address.shared::cta.b1024.b64 [%0], %1;"
+                   :: "r"(smem_addr(staged[m])), "l"(bases[m]) : "memory");
+  __syncwarp();
+  for (int m = 0; m < N; ++m)
+    asm volatile("tensormap.cp_fenceproxy.global.shared::cta.tensormap::generic.release.gpu"
+                 ".sync.aligned [%0], [%1], 128;" :: "l"(published + 128 * m),
+                 "r"(smem_addr(staged[m])) : "memory");
+}
+// One thread, after publish_maps: the published maps made visible to its TMA loads.
+template <int N>
+__device__ __forceinline__ void acquire_maps(const unsigned char* published) {
+  for (int m = 0; m < N; ++m)
+    asm volatile("fence.proxy.tensormap::generic.acquire.gpu [%0], 128;"
+                 :: "l"(published + 128 * m) : "memory");
+}
+"""
+
 # Grid: one threadblock of 128 threads per PAGES_PER_BLOCK pages (n_pages a multiple of it).
 # In: tmap_tpl (uint8 [128], the encoded template), k_cache (bf16 [rows, KV_HEADS, HEAD_DIM]),
 # table (int32 [n_pages]); out: pages (bf16 [n_pages * BS, HEAD_DIM]) of kv head `head`,
@@ -51,7 +106,7 @@ typedef unsigned long long uint64_t;
 __device__ __forceinline__ uint32_t smem_addr(const void* p) {
   return static_cast<uint32_t>(__cvta_generic_to_shared(p));
 }
-
+""" + TMA_DEVICE + r"""
 extern "C" __global__ void __launch_bounds__(128) NAME(
     const unsigned char* tmap_tpl, const unsigned short* k_cache, const int* table,
     unsigned short* pages, unsigned char* tmaps, int head) {
@@ -59,44 +114,30 @@ extern "C" __global__ void __launch_bounds__(128) NAME(
   extern __shared__ __align__(16) unsigned char smem_raw[];
   // 128-byte swizzle: boxes start on 1024-byte boundaries (the launch adds the slack)
   unsigned char* tile = smem_raw + ((1024 - (smem_addr(smem_raw) & 1023)) & 1023);
-  __shared__ __align__(128) unsigned char tmap[128];
+  __shared__ __align__(128) unsigned char tmap[1][128];
   __shared__ __align__(8) uint64_t full;
   const int tid = threadIdx.x;
   const int first = blockIdx.x * PAGES;
   unsigned char* my_map = tmaps + static_cast<size_t>(blockIdx.x) * 128;
   if (TMA) {
     if (tid < 32) {
-      reinterpret_cast<uint32_t*>(tmap)[tid] = reinterpret_cast<const uint32_t*>(tmap_tpl)[tid];
-      __syncwarp();
-      if (tid == 0)
-        asm volatile("tensormap.replace.tile.global_address.shared::cta.b1024.b64 [%0], %1;"
-                     :: "r"(smem_addr(tmap)), "l"(k_cache) : "memory");
-      __syncwarp();
-      asm volatile("tensormap.cp_fenceproxy.global.shared::cta.tensormap::generic.release.gpu"
-                   ".sync.aligned [%0], [%1], 128;" :: "l"(my_map), "r"(smem_addr(tmap))
-                   : "memory");
+      const void* const base[1] = {k_cache};
+      publish_maps<1>(tid, tmap_tpl, base, tmap, my_map);
     }
     if (tid == 0) {
-      asm volatile("fence.proxy.tensormap::generic.acquire.gpu [%0], 128;" :: "l"(my_map)
-                   : "memory");
-      asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;" :: "r"(smem_addr(&full)));
+      acquire_maps<1>(my_map);
+      mbar_init(smem_addr(&full), 1);
       asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
     }
     __syncthreads();
     if (tid == 0) {
-      asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;"
-                   :: "r"(smem_addr(&full)), "r"(PAGES * 2 * BOX_BYTES) : "memory");
+      mbar_expect(smem_addr(&full), PAGES * 2 * BOX_BYTES);
       for (int p = 0; p < PAGES; ++p)
         for (int half = 0; half < 2; ++half)
-          asm volatile("cp.async.bulk.tensor.3d.shared::cluster.global.tile.mbarrier::"
-                       "complete_tx::bytes [%0], [%1, {%2, %3, %4}], [%5];"
-                       :: "r"(smem_addr(tile + (2 * p + half) * BOX_BYTES)), "l"(my_map),
-                          "r"(half * 64), "r"(head), "r"(table[first + p] * BS),
-                          "r"(smem_addr(&full)) : "memory");
+          tma_load(smem_addr(tile + (2 * p + half) * BOX_BYTES), my_map, half * 64, head,
+                   table[first + p] * BS, smem_addr(&full));
     }
-    asm volatile("{\n.reg .pred done;\nWAIT_%=:\n"
-                 "mbarrier.try_wait.parity.shared::cta.b64 done, [%0], 0;\n"
-                 "@!done bra WAIT_%=;\n}\n" :: "r"(smem_addr(&full)) : "memory");
+    mbar_wait(smem_addr(&full), 0);
   } else {
     // the wgmma kernel's way: every thread resolves the page of each 16-byte chunk it copies
     for (int i = tid; i < PAGES * BS * 16; i += 128) {
