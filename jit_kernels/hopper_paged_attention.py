@@ -97,9 +97,9 @@ __device__ __forceinline__ uint64_t smem_desc(uint32_t addr, uint32_t lead, uint
 """ + _wgmma(cpa.BLOCK_N) + _wgmma(128)
 
 # Q as the A operand and the running softmax state of rows row_lo and row_lo + 8 of a warp (the
-# m16n8k16 layout; padding rows are zero), P packed from a tile's probabilities, and O += P V
-# from the V tile at v_t; the warp-specialized prototype (bench/hopper_ws_prototype.py) takes
-# them too.
+# m16n8k16 layout; padding rows are zero), P packed from a tile's probabilities (into p, which
+# PACK_P declares), and O += P V from the V tile at v_t (PV_ISSUE only issues it); the
+# warp-specialized prototype (bench/hopper_ws_prototype.py) takes them too.
 Q_AND_STATE = r"""
   uint32_t qf[KSTEPS][4];
   for (int i = 0; i < 2; ++i) {
@@ -124,9 +124,7 @@ Q_AND_STATE = r"""
   }
   const int mask_from = min(pos0 + 1, kv_end);
 """
-PACK_P = r"""
-    uint32_t p[BLOCK_N / 16][4];  // P as the A operand, 16 keys per k-step
-#pragma unroll
+P_FROM_S = r"""#pragma unroll
     for (int kk = 0; kk < BLOCK_N / 16; ++kk) {
       p[kk][0] = Mma<T>::pack(s[0][2 * kk][0], s[0][2 * kk][1]);
       p[kk][1] = Mma<T>::pack(s[0][2 * kk][2], s[0][2 * kk][3]);
@@ -134,16 +132,17 @@ PACK_P = r"""
       p[kk][3] = Mma<T>::pack(s[0][2 * kk + 1][2], s[0][2 * kk + 1][3]);
     }
 """
-PV_PRODUCT = r"""    wgmma_fence();
-#pragma unroll
+PACK_P = "\n    uint32_t p[BLOCK_N / 16][4];  // P as the A operand, 16 keys per k-step\n" + P_FROM_S
+PV_ISSUE = r"""#pragma unroll
     for (int kk = 0; kk < BLOCK_N / 16; ++kk)  // N-major B: 64-column blocks HALF apart
       wgmma_n128<1>(&o[0][0][0], p[kk], true,
                     smem_desc(v_t + kk * 2 * GROUP_BYTES, HALF * 2, GROUP_BYTES));
     wgmma_commit();
-    wgmma_wait();
-    for (int dt = 0; dt < DTILES; ++dt)
+"""
+PIN_O = r"""    for (int dt = 0; dt < DTILES; ++dt)
       for (int e = 0; e < 4; ++e) pin(o[0][dt][e]);
 """
+PV_PRODUCT = "    wgmma_fence();\n" + PV_ISSUE + "    wgmma_wait();\n" + PIN_O
 
 # Inputs, outputs, grid: as cuda_paged_attention's ATTENTION_SOURCE (BLOCK_M = 64, WARP_M = 16,
 # 128 threads), then the scalars H (query heads) and MAX_BLOCKS (block_tables' width).
