@@ -1,6 +1,6 @@
 """A prototype of the next Hopper paged kernel: warp-specialized, K/V pages loaded by TMA.
 
-    python bench/hopper_ws_prototype.py [--out ws.json]      # sm_90 GPU (H100, H200), bf16
+    python bench/hopper_ws_prototype.py [--out ws.json] [--points C16384_Lq512,...]  # sm_90, bf16
 
 Not used by the runner. It checks, against the float64 oracle, and times, against the wgmma
 kernel (`jit_kernels/hopper_paged_attention.py`) and cuDNN on contiguous K/V, the structure
@@ -8,12 +8,15 @@ cuDNN's and FlashAttention-3's kernels share, on paged K/V:
 
 - a threadblock of three warpgroups: a producer and two consumers of 64 query rows each (a
   128-row tile, GQA rows packed as in `jit_kernels/plan.py`, which plans it unsplit);
-- the producer's one thread loads each K/V tile of KV_TILE keys page by page with TMA (box:
-  64 elements of D, one kv head, one page, 128-byte swizzle, as `bench/tma_probe.py` checks)
-  into a ring of STAGES stages, each with a "full" barrier per K and V and an "empty" one the
-  consumers release; `setmaxnreg` moves registers from it to them;
-- the consumers run S, the online softmax and O as the wgmma kernel does (its sources), and
-  zero the V rows past the range in the last tile (they hold other data, NaN in the tests).
+- the producer's first warp loads each K/V tile of KV_TILE keys page by page with TMA, a box
+  per lane (box: 64 elements of D, one kv head, one page, 128-byte swizzle, as
+  `bench/tma_probe.py` checks), into a ring of STAGES stages; a K slot and a V slot each have a
+  "full" barrier and an "empty" one the consumers release, K's as soon as S is done;
+  `setmaxnreg` moves registers from the producer to the consumers;
+- the consumers issue S of tile t + 1 and O += P V of tile t together and run the softmax of
+  t + 1 while P V runs (FlashAttention-3's intra-warpgroup overlap), with the wgmma kernel's
+  source pieces, and zero the V rows past the range in the last tile (they hold other data, NaN
+  in the tests).
 
 A tensor map holds its tensor's address, and MLX gives a kernel its arrays' addresses on the
 device only: the host encodes one template per cache shape, and each block patches the caches'
@@ -44,19 +47,32 @@ from jit_kernels.support import Geometry  # noqa: E402
 
 BLOCK_M = 128  # two consumer warpgroups of 64 rows
 KV_TILE = 128  # keys a stage holds (64: 1.15x the time at C16384_Lq512, docs/gpu.md)
-STAGES = 2  # 3 measured no faster
+STAGES = 3  # V(t) stays while K(t + 1) and tile t + 2 land
 THREADS = 384
 PRODUCER_REGS, CONSUMER_REGS = 40, 232  # 128 x 40 + 256 x 232 <= 64K registers
 
-# The wgmma kernel's online softmax, O rescale, P packing and O += P V, at this tile width
-SOFTMAX_AND_P = (cpa.ONLINE_SOFTMAX + cpa.RESCALE_O + hp.PACK_P).replace("BLOCK_N", "KV_TILE")
-PV_PRODUCT = hp.PV_PRODUCT.replace("BLOCK_N", "KV_TILE")
+# The wgmma kernel's pieces at this tile width: the online softmax, P from S and the issue of
+# O += P V
+ONLINE_SOFTMAX = cpa.ONLINE_SOFTMAX.replace("BLOCK_N", "KV_TILE")
+P_FROM_S = hp.P_FROM_S.replace("BLOCK_N", "KV_TILE")
+PV_ISSUE = hp.PV_ISSUE.replace("BLOCK_N", "KV_TILE")
+S_ISSUE = r"""    wgmma_fence();
+#pragma unroll
+    for (int ks = 0; ks < KSTEPS; ++ks)  // K-major B: rows of 128 bytes, 8-row atoms
+      wgmma_n128<0>(&s[0][0][0], qf[ks], ks > 0,
+                    smem_desc(k_t + (ks / 4) * HALF * 2 + (ks % 4) * 32, 16, GROUP_BYTES));
+    wgmma_commit();
+"""
+PIN_S = r"""    for (int nt = 0; nt < NTILES; ++nt)
+      for (int e = 0; e < 4; ++e) pin(s[0][nt][e]);
+"""
 
 # Grid: one block of THREADS per work item of a 128-row unsplit plan (KV_START = 0).
 # In: q [T, H, 128], k_cache, v_cache [rows, Hkv, 128] (bf16), block_tables [S, MAX_BLOCKS],
 # work [items, WORK_COLS], tmap (uint8 [128]: the template for a [rows, Hkv, 128] cache).
 # Out: out [T, H, 128]; maps (uint8 [items * 256]: each block's K and V tensor maps).
-# Smem (1024-byte aligned): STAGES x [K tile][V tile], each [2][KV_TILE][64] swizzled.
+# Smem (1024-byte aligned): STAGES x [K tile][V tile], each [2][KV_TILE][64] swizzled; a K slot
+# and a V slot each have a "full" barrier (the loads landed) and an "empty" one (read).
 KERNEL = r"""
   constexpr int D = HEAD_DIM, KSTEPS = D / 16, DTILES = D / 8, NTILES = KV_TILE / 8, MT = 1;
   constexpr int GROUP_BYTES = 8 * 128, HALF = KV_TILE * 64, TILE = KV_TILE * D;
@@ -65,7 +81,8 @@ KERNEL = r"""
   extern __shared__ __align__(16) unsigned char smem[];
   T* sK = reinterpret_cast<T*>(smem + ((1024 - (smem_addr(smem) & 1023)) & 1023));
   __shared__ __align__(128) unsigned char maps_s[2][128];
-  __shared__ __align__(8) uint64_t full_k[STAGES], full_v[STAGES], empty[STAGES];
+  __shared__ __align__(8) uint64_t full_k[STAGES], full_v[STAGES], empty_v[STAGES],
+      empty_k[STAGES];
 
   const int tid = threadIdx.x, wg = tid / 128, warp = (tid % 128) / 32, lane = tid % 32;
   const int* item = work + static_cast<size_t>(blockIdx.x) * WORK_COLS;
@@ -78,36 +95,38 @@ KERNEL = r"""
   if (tid < 32) {  // the block's K and V maps: the template, with the caches' addresses
     const void* const bases[2] = {k_cache, v_cache};
     publish_maps<2>(lane, tmap, bases, maps_s, maps_g);
+    acquire_maps<2>(maps_g);  // every lane loads through them
     if (lane == 0) {
-      acquire_maps<2>(maps_g);
       for (int st = 0; st < STAGES; ++st) {
         mbar_init(smem_addr(&full_k[st]), 1);
         mbar_init(smem_addr(&full_v[st]), 1);
-        mbar_init(smem_addr(&empty[st]), 256);  // every consumer thread
+        mbar_init(smem_addr(&empty_v[st]), 256);  // every consumer thread
+        mbar_init(smem_addr(&empty_k[st]), 256);
       }
       asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
     }
   }
   __syncthreads();
 
-  if (wg == 0) {  // producer: one thread issues every page's boxes
+  if (wg == 0) {  // producer: warp 0, a page's half-box per lane (one thread issuing them all
+                  // took 1.09x the time at C16384_Lq512: the loads were the bottleneck)
     asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;\n" :: "n"(PRODUCER_REGS));
-    if (tid == 0) {
+    if (tid < 32) {
       const int* table = block_tables + static_cast<size_t>(seq) * MAX_BLOCKS;
       for (int t = 0; t < num_tiles; ++t) {
         const int stage = t % STAGES, phase = (t / STAGES) & 1;
-        mbar_wait(smem_addr(&empty[stage]), phase ^ 1);  // a fresh barrier passes parity 1
         const int n0 = kv_start + t * KV_TILE;
         const int pages = min(PAGES_PER_TILE, (kv_end - n0 + BS - 1) / BS);
         const uint32_t k_dst = smem_addr(sK + 2 * stage * TILE), v_dst = k_dst + TILE * 2;
-        for (int kv = 0; kv < 2; ++kv) {
+        for (int kv = 0; kv < 2; ++kv) {  // K's slot frees once S is done, before V's
+          mbar_wait(smem_addr(kv ? &empty_v[stage] : &empty_k[stage]), phase ^ 1);
           const uint32_t bar = smem_addr(kv ? &full_v[stage] : &full_k[stage]);
-          mbar_expect(bar, pages * 2 * BOX_BYTES);
-          for (int p = 0; p < pages; ++p) {
-            const int row = table[n0 / BS + p] * BS;
-            for (int h = 0; h < 2; ++h)
-              tma_load((kv ? v_dst : k_dst) + (h * HALF + p * BS * 64) * 2, maps_g + 128 * kv,
-                       h * 64, kvh, row, bar);
+          if (lane == 0) mbar_expect(bar, pages * 2 * BOX_BYTES);
+          __syncwarp();
+          for (int i = lane; i < pages * 2; i += 32) {
+            const int p = i / 2, h = i % 2;
+            tma_load((kv ? v_dst : k_dst) + (h * HALF + p * BS * 64) * 2, maps_g + 128 * kv,
+                     h * 64, kvh, table[n0 / BS + p] * BS, bar);
           }
         }
       }
@@ -118,22 +137,33 @@ KERNEL = r"""
 
   const int row_lo = (wg - 1) * 64 + warp * 16 + lane / 4;
   const float scale_log2 = __int_as_float(QK_SCALE_BITS);""" + hp.Q_AND_STATE + r"""
-  for (int t = 0; t < num_tiles; ++t) {
+  float s[MT][NTILES][4];
+  uint32_t p[KV_TILE / 16][4];
+  {  // S of the first tile, its softmax and P
+    const int n0 = kv_start;
+    const uint32_t k_t = smem_addr(sK);
+    mbar_wait(smem_addr(&full_k[0]), 0);
+""" + S_ISSUE + "    wgmma_wait();\n" + PIN_S + r"""    mbar_arrive(smem_addr(&empty_k[0]));
+""" + ONLINE_SOFTMAX + P_FROM_S + r"""  }
+  for (int t = 0; t + 1 < num_tiles; ++t) {  // S of tile t + 1 and O += P V of tile t at once
     const int stage = t % STAGES, phase = (t / STAGES) & 1;
+    const int nstage = (t + 1) % STAGES, nphase = ((t + 1) / STAGES) & 1;
+    const uint32_t v_t = smem_addr(sK + (2 * stage + 1) * TILE);
+    const uint32_t k_t = smem_addr(sK + 2 * nstage * TILE);
+    const int n0 = kv_start + (t + 1) * KV_TILE;
+    mbar_wait(smem_addr(&full_v[stage]), phase);
+    mbar_wait(smem_addr(&full_k[nstage]), nphase);
+""" + S_ISSUE + PV_ISSUE + r"""    // S is done: its softmax runs while the tensor cores do P V
+    // (FlashAttention-3's intra-warpgroup overlap)
+    asm volatile("wgmma.wait_group.sync.aligned 1;\n" ::: "memory");
+""" + PIN_S + r"""    mbar_arrive(smem_addr(&empty_k[nstage]));
+""" + ONLINE_SOFTMAX + "    wgmma_wait();\n" + hp.PIN_O + r"""    mbar_arrive(smem_addr(&empty_v[stage]));
+""" + cpa.RESCALE_O + P_FROM_S + r"""  }
+  {  // O += P V of the last tile
+    const int t = num_tiles - 1, stage = t % STAGES, phase = (t / STAGES) & 1;
     const int n0 = kv_start + t * KV_TILE;
-    const uint32_t k_t = smem_addr(sK + 2 * stage * TILE), v_t = k_t + TILE * 2;
-    mbar_wait(smem_addr(&full_k[stage]), phase);
-    float s[MT][NTILES][4];
-    wgmma_fence();
-#pragma unroll
-    for (int ks = 0; ks < KSTEPS; ++ks)  // K-major B: rows of 128 bytes, 8-row atoms
-      wgmma_n128<0>(&s[0][0][0], qf[ks], ks > 0,
-                    smem_desc(k_t + (ks / 4) * HALF * 2 + (ks % 4) * 32, 16, GROUP_BYTES));
-    wgmma_commit();
-    wgmma_wait();
-    for (int nt = 0; nt < NTILES; ++nt)
-      for (int e = 0; e < 4; ++e) pin(s[0][nt][e]);
-""" + SOFTMAX_AND_P + r"""    mbar_wait(smem_addr(&full_v[stage]), phase);
+    const uint32_t v_t = smem_addr(sK + (2 * stage + 1) * TILE);
+    mbar_wait(smem_addr(&full_v[stage]), phase);
     if (n0 + KV_TILE > kv_end) {  // rows past the range hold other data: P is 0 there, V too
       T* v_s = sK + (2 * stage + 1) * TILE;
       for (int i = tid - 128; i < KV_TILE * 16; i += 256) {
@@ -145,7 +175,7 @@ KERNEL = r"""
       fence_async_smem();
       asm volatile("bar.sync 1, 256;" ::: "memory");  // both consumers read the tile
     }
-""" + PV_PRODUCT + r"""    mbar_arrive(smem_addr(&empty[stage]));
+""" + hp.PV_PRODUCT.replace("BLOCK_N", "KV_TILE") + r"""    mbar_arrive(smem_addr(&empty_v[stage]));
   }
 
   for (int i = 0; i < 2; ++i) {
@@ -243,12 +273,12 @@ def check(ws: WsPrototype) -> list[dict]:
     return rows
 
 
-def timing(ws: WsPrototype) -> list[dict]:
+def timing(ws: WsPrototype, points: list) -> list[dict]:
     """us a call on the GPU alone: 20 calls together (the sweep's measure) and chained."""
     from jit_kernels import available_backends
     wgmma = available_backends()["cuda"].attention
     rows = []
-    for name, lq, ctx in POINTS:
+    for name, lq, ctx in points:
         row = time_point(ws, wgmma, name, lq, ctx)
         rows.append(row)
         print(f"{name:<14} ceiling {row['ceiling_t']:7.1f} / {row['ceiling_c']:7.1f}  auto "
@@ -276,9 +306,11 @@ def time_point(ws: WsPrototype, wgmma, name: str, lq: int, ctx: int) -> dict:
 
     def run_ws(x, c=one):
         return ws(x, c.k_cache, c.v_cache, c.meta.block_tables, tiles, g)
-    diff = mx.abs(run_ws(one.q).astype(mx.float32) - run_wgmma(one.q).astype(mx.float32))
+    repeats = [run_ws(one.q) for _ in range(4)]
+    diff = mx.abs(repeats[0].astype(mx.float32) - run_wgmma(one.q).astype(mx.float32))
     row = {"point": name, "auto_path": auto_path, "items": tiles.num_items,
            "max_abs_diff_vs_wgmma": diff.max().item(),
+           "repeats_bitwise_equal": all(mx.array_equal(repeats[0], r).item() for r in repeats),
            "ceiling_t": gpu_us_together([fns["ceiling"]] * GPU_CALLS),
            "auto_t": gpu_us_together([fns["auto"]] * GPU_CALLS),
            "wgmma_t": gpu_us_together([lambda: run_wgmma(one.q)] * GPU_CALLS),
@@ -295,16 +327,24 @@ def time_point(ws: WsPrototype, wgmma, name: str, lq: int, ctx: int) -> dict:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path)
+    parser.add_argument("--points", default=",".join(p[0] for p in POINTS),
+                        help="the points to time, by name (comma-separated; none: checks only)")
     args = parser.parse_args()
+    names = [n for n in args.points.split(",") if n]
+    unknown = sorted(set(names) - {p[0] for p in POINTS})
+    if unknown:
+        raise SystemExit(f"--points: unknown {unknown}; known: {[p[0] for p in POINTS]}")
     why = hp.unavailable_reason()
     if why:
         raise SystemExit(f"needs a Hopper GPU: {why}")
     ws = WsPrototype()
-    report = {"checks": check(ws), "timing": timing(ws)}
+    report = {"checks": check(ws), "timing": timing(ws, [p for p in POINTS if p[0] in names])}
     if args.out:
         args.out.write_text(json.dumps(report, indent=1))
     if not all(r["ok"] for r in report["checks"]):
         raise SystemExit("the prototype disagrees with the oracle")
+    if not all(r["repeats_bitwise_equal"] for r in report["timing"]):
+        raise SystemExit("the prototype's repeated calls disagree")
 
 
 if __name__ == "__main__":
