@@ -51,18 +51,12 @@ STAGES = 3  # V(t) stays while K(t + 1) and tile t + 2 land
 THREADS = 384
 PRODUCER_REGS, CONSUMER_REGS = 40, 232  # 128 x 40 + 256 x 232 <= 64K registers
 
-# The wgmma kernel's pieces at this tile width: the online softmax, P from S and the issue of
-# O += P V
+# The wgmma kernel's pieces at this tile width: the online softmax, P from S and the issues of
+# S = Q K^T and O += P V
 ONLINE_SOFTMAX = cpa.ONLINE_SOFTMAX.replace("BLOCK_N", "KV_TILE")
 P_FROM_S = hp.P_FROM_S.replace("BLOCK_N", "KV_TILE")
 PV_ISSUE = hp.PV_ISSUE.replace("BLOCK_N", "KV_TILE")
-S_ISSUE = r"""    wgmma_fence();
-#pragma unroll
-    for (int ks = 0; ks < KSTEPS; ++ks)  // K-major B: rows of 128 bytes, 8-row atoms
-      wgmma_n128<0>(&s[0][0][0], qf[ks], ks > 0,
-                    smem_desc(k_t + (ks / 4) * HALF * 2 + (ks % 4) * 32, 16, GROUP_BYTES));
-    wgmma_commit();
-"""
+S_ISSUE = hp.s_issue(KV_TILE)
 PIN_S = r"""    for (int nt = 0; nt < NTILES; ++nt)
       for (int e = 0; e < 4; ++e) pin(s[0][nt][e]);
 """

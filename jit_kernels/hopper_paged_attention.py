@@ -144,6 +144,17 @@ PIN_O = r"""    for (int dt = 0; dt < DTILES; ++dt)
 """
 PV_PRODUCT = "    wgmma_fence();\n" + PV_ISSUE + "    wgmma_wait();\n" + PIN_O
 
+
+def s_issue(width: int) -> str:
+    """S = Q K^T of the K tile at k_t into s, issued and not waited on: m64n{width}k16 wgmmas."""
+    return (r"""    wgmma_fence();
+#pragma unroll
+    for (int ks = 0; ks < KSTEPS; ++ks)  // K-major B: rows of 128 bytes, 8-row atoms
+      wgmma_n""" + str(width) + r"""<0>(&s[0][0][0], qf[ks], ks > 0,
+          smem_desc(k_t + (ks / 4) * HALF * 2 + (ks % 4) * 32, 16, GROUP_BYTES));
+    wgmma_commit();
+""")
+
 # Inputs, outputs, grid: as cuda_paged_attention's ATTENTION_SOURCE (BLOCK_M = 64, WARP_M = 16,
 # 128 threads), then the scalars H (query heads) and MAX_BLOCKS (block_tables' width).
 # Compile-time: T (16-bit storage), AB ("bf16" / "f16"), HEAD_DIM, GROUP, BS, QK_SCALE_BITS, STAGES,
@@ -218,13 +229,7 @@ ATTENTION_SOURCE = r"""
     const uint32_t k_t = smem_addr(sK + 2 * buf * TILE), v_t = k_t + TILE * 2;
 
     float s[MT][NTILES][4];
-    wgmma_fence();
-#pragma unroll
-    for (int ks = 0; ks < KSTEPS; ++ks)  // K-major B: rows of 128 bytes, 8-row atoms
-      wgmma_n""" + str(cpa.BLOCK_N) + r"""<0>(&s[0][0][0], qf[ks], ks > 0,
-          smem_desc(k_t + (ks / 4) * HALF * 2 + (ks % 4) * 32, 16, GROUP_BYTES));
-    wgmma_commit();
-    // the next tile's loads issue while the tensor cores work on S
+""" + s_issue(cpa.BLOCK_N) + r"""    // the next tile's loads issue while the tensor cores work on S
     const int next = t + STAGES - 1;
     if (next < num_tiles) load_kv(kv_start + next * BLOCK_N, next % STAGES);
     cp_async_commit();
