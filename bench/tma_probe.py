@@ -4,7 +4,8 @@
 
 A TMA load reads a tile through a tensor map: 128 bytes the driver encodes on the host
 (`cuTensorMapEncodeTiled`), holding the tensor's device address. MLX hands a kernel its arrays'
-addresses on the device only, so the host encodes a template with a placeholder address and
+addresses on the device only, so the host encodes a template (`jit_kernels/tma.py`, whose
+device helpers this probe shares with the prefill kernel) with a placeholder address and
 each threadblock patches in the cache's (`tensormap.replace`, sm_90a), publishes its copy to
 global memory with the proxy fence the TMA unit needs (`tensormap.cp_fenceproxy`), and loads
 every page of its share through it, a box of (64 elements of D, one kv head, one page) per
@@ -19,7 +20,6 @@ kernel's own load), GB/s read.
 from __future__ import annotations
 
 import argparse
-import ctypes
 import json
 import sys
 from pathlib import Path
@@ -32,68 +32,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from gpu_time import gpu_us_together  # noqa: E402
 
-from jit_kernels import hopper_paged_attention, nvrtc, support  # noqa: E402
+from jit_kernels import hopper_paged_attention, nvrtc, support, tma  # noqa: E402
 
 HEAD_DIM, KV_HEADS = 128, 8
-HALF = 64  # elements of D per box: one 128-byte swizzle row
 PAGES_PER_BLOCK = 16
-# cuda.h enums (CUDA 12/13)
-BFLOAT16, SWIZZLE_128B, L2_PROMOTION_128B = 9, 3, 2
-
-# Device helpers of a kernel loading by TMA (this probe's and bench/hopper_ws_prototype.py's):
-# mbarriers, a 3-d tile load completing on one, and the block's own copies of tensor maps.
-TMA_DEVICE = r"""
-__device__ __forceinline__ void mbar_init(uint32_t bar, int count) {
-  asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" :: "r"(bar), "r"(count) : "memory");
-}
-__device__ __forceinline__ void mbar_wait(uint32_t bar, int phase) {
-  asm volatile("{\n.reg .pred done;\nWAIT_%=:\n"
-               "mbarrier.try_wait.parity.shared::cta.b64 done, [%0], %1;\n"
-               "@!done bra WAIT_%=;\n}\n" :: "r"(bar), "r"(phase) : "memory");
-}
-__device__ __forceinline__ void mbar_arrive(uint32_t bar) {
-  asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];" :: "r"(bar) : "memory");
-}
-__device__ __forceinline__ void mbar_expect(uint32_t bar, uint32_t bytes) {
-  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" :: "r"(bar), "r"(bytes)
-               : "memory");
-}
-__device__ __forceinline__ void tma_load(uint32_t dst, const void* map, int c0, int c1, int c2,
-                                         uint32_t bar) {
-  asm volatile("cp.async.bulk.tensor.3d.shared::cluster.global.tile.mbarrier::complete_tx::bytes"
-               " [%0], [%1, {%2, %3, %4}], [%5];"
-               :: "r"(dst), "l"(map), "r"(c0), "r"(c1), "r"(c2), "r"(bar) : "memory");
-}
-// One whole warp (lane: its lane): the template `tpl` copied to `staged` (shared, 128-byte
-// aligned) for each of the N tensors at `bases`, its address patched in (MLX gives a kernel its
-// arrays' addresses on the device only) and published to `published` (global, N x 128 bytes);
-// the thread that loads through them then calls acquire_maps.
-template <int N>
-__device__ __forceinline__ void publish_maps(int lane, const unsigned char* tpl,
-                                             const void* const (&bases)[N],
-                                             unsigned char (*staged)[128],
-                                             unsigned char* published) {
-  for (int m = 0; m < N; ++m)
-    reinterpret_cast<uint32_t*>(staged[m])[lane] = reinterpret_cast<const uint32_t*>(tpl)[lane];
-  __syncwarp();
-  if (lane == 0)
-    for (int m = 0; m < N; ++m)
-      asm volatile("tensormap.replace.tile.global_address.shared::cta.b1024.b64 [%0], %1;"
-                   :: "r"(smem_addr(staged[m])), "l"(bases[m]) : "memory");
-  __syncwarp();
-  for (int m = 0; m < N; ++m)
-    asm volatile("tensormap.cp_fenceproxy.global.shared::cta.tensormap::generic.release.gpu"
-                 ".sync.aligned [%0], [%1], 128;" :: "l"(published + 128 * m),
-                 "r"(smem_addr(staged[m])) : "memory");
-}
-// One thread, after publish_maps: the published maps made visible to its TMA loads.
-template <int N>
-__device__ __forceinline__ void acquire_maps(const unsigned char* published) {
-  for (int m = 0; m < N; ++m)
-    asm volatile("fence.proxy.tensormap::generic.acquire.gpu [%0], 128;"
-                 :: "l"(published + 128 * m) : "memory");
-}
-"""
 
 # Grid: one threadblock of 128 threads per PAGES_PER_BLOCK pages (n_pages a multiple of it).
 # In: tmap_tpl (uint8 [128], the encoded template), k_cache (bf16 [rows, KV_HEADS, HEAD_DIM]),
@@ -106,7 +48,7 @@ typedef unsigned long long uint64_t;
 __device__ __forceinline__ uint32_t smem_addr(const void* p) {
   return static_cast<uint32_t>(__cvta_generic_to_shared(p));
 }
-""" + TMA_DEVICE + r"""
+""" + tma.DEVICE + r"""
 extern "C" __global__ void __launch_bounds__(128) NAME(
     const unsigned char* tmap_tpl, const unsigned short* k_cache, const int* table,
     unsigned short* pages, unsigned char* tmaps, int head) {
@@ -163,38 +105,17 @@ extern "C" __global__ void __launch_bounds__(128) NAME(
 """
 
 
-def encode_template(rows: int, block_size: int, kv_heads: int = KV_HEADS,
-                    head_dim: int = HEAD_DIM) -> np.ndarray:
-    """The tensor map of a 16-bit cache [rows, kv_heads, head_dim], box (HALF, 1, block_size),
-    128-byte swizzle, its address a placeholder the kernel replaces."""
-    cuda = ctypes.CDLL("libcuda.so.1")
-    buf = ctypes.create_string_buffer(128 + 64)
-    at = (ctypes.addressof(buf) + 63) // 64 * 64  # CUtensorMap is 64-byte aligned
-    u64, u32 = ctypes.c_uint64, ctypes.c_uint32
-    dims = (u64 * 3)(head_dim, kv_heads, rows)
-    strides = (u64 * 2)(head_dim * 2, kv_heads * head_dim * 2)  # bytes, dims 1 and 2
-    box = (u32 * 3)(HALF, 1, block_size)
-    ones = (u32 * 3)(1, 1, 1)
-    status = cuda.cuTensorMapEncodeTiled(
-        ctypes.c_void_p(at), ctypes.c_int(BFLOAT16), u32(3), ctypes.c_void_p(1 << 20), dims,
-        strides, box, ones, ctypes.c_int(0), ctypes.c_int(SWIZZLE_128B),
-        ctypes.c_int(L2_PROMOTION_128B), ctypes.c_int(0))
-    if status:
-        raise RuntimeError(f"cuTensorMapEncodeTiled: CUresult {status}")
-    return np.frombuffer(ctypes.string_at(at, 128), dtype=np.uint8).copy()
-
-
 _kernels: dict = {}
 
 
 def gather_pages(k_cache: mx.array, table: mx.array, template: mx.array, head: int,
-                 block_size: int, tma: bool) -> mx.array:
-    key = (block_size, tma)
+                 block_size: int, by_tma: bool) -> mx.array:
+    key = (block_size, by_tma)
     if key not in _kernels:
         tag = support.source_hash(SOURCE, str(key))
-        name = f"tma_probe_{tag}_b{block_size}_{int(tma)}"
+        name = f"tma_probe_{tag}_b{block_size}_{int(by_tma)}"
         source = (f"constexpr int BS = {block_size}, PAGES = {PAGES_PER_BLOCK}, "
-                  f"KV_HEADS = {KV_HEADS}, TMA = {int(tma)};\n" + SOURCE.replace("NAME", name))
+                  f"KV_HEADS = {KV_HEADS}, TMA = {int(by_tma)};\n" + SOURCE.replace("NAME", name))
         _kernels[key] = name, nvrtc.compile_cubin(source, name, "sm_90a")
     name, cubin = _kernels[key]
     n_pages = table.shape[0]
@@ -213,7 +134,7 @@ def case(block_size: int, n_pages: int, seed: int = 0):
     k = mx.random.normal((num_blocks * block_size, KV_HEADS, HEAD_DIM),
                          key=mx.random.key(seed)).astype(mx.bfloat16)
     table = rng.permutation(num_blocks)[:n_pages].astype(np.int32)
-    template = mx.array(encode_template(num_blocks * block_size, block_size))
+    template = mx.array(tma.k_map(num_blocks * block_size, block_size, KV_HEADS))
     mx.eval(k, template)
     return k, mx.array(table), table, template
 
@@ -231,20 +152,20 @@ def main() -> None:
         rows = np.array(k.view(mx.uint16)).reshape(-1, bs, KV_HEADS, HEAD_DIM)
         for head in (0, KV_HEADS - 1):
             want = rows[table_host, :, head].reshape(-1, HEAD_DIM)
-            for tma in (True, False):
-                got = np.array(gather_pages(k, table, template, head, bs, tma).view(mx.uint16))
+            for by_tma in (True, False):
+                got = np.array(gather_pages(k, table, template, head, bs, by_tma).view(mx.uint16))
                 ok = bool(np.array_equal(got, want))
-                report["checks"].append({"block_size": bs, "head": head, "tma": tma, "exact": ok})
-                print(f"block {bs:2d} head {head} {'tma     ' if tma else 'cp.async'} "
+                report["checks"].append({"block_size": bs, "head": head, "tma": by_tma, "exact": ok})
+                print(f"block {bs:2d} head {head} {'tma     ' if by_tma else 'cp.async'} "
                       f"{'exact' if ok else 'DIFFERS'}", flush=True)
     bs, keys = 16, 131072
     k, table, _, template = case(bs, keys // bs)
     read = keys * HEAD_DIM * 2
-    for tma in (True, False):
-        us = gpu_us_together([lambda tma=tma: gather_pages(k, table, template, 0, bs, tma)] * 20)
-        report["timing"].append({"keys": keys, "tma": tma, "us": us,
+    for by_tma in (True, False):
+        us = gpu_us_together([lambda by_tma=by_tma: gather_pages(k, table, template, 0, bs, by_tma)] * 20)
+        report["timing"].append({"keys": keys, "tma": by_tma, "us": us,
                                  "gbps_read": read / us / 1e3})
-        print(f"{keys} keys of one kv head, {'tma' if tma else 'cp.async'}: {us:.2f} us a call, "
+        print(f"{keys} keys of one kv head, {'tma' if by_tma else 'cp.async'}: {us:.2f} us a call, "
               f"{read / us / 1e3:.0f} GB/s read", flush=True)
     if args.out:
         args.out.write_text(json.dumps(report, indent=1))

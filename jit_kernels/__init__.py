@@ -20,6 +20,7 @@ import numpy as np
 from . import hopper_paged_attention, rules
 from .cuda_paged_attention import CudaPagedAttention
 from .hopper_paged_attention import HopperPagedAttention
+from .hopper_prefill_attention import HopperPrefillAttention
 from .metal_paged_attention import MetalPagedAttention
 from .page_gather import PageGather
 from .support import Geometry
@@ -44,10 +45,14 @@ class KernelBackend:
     attention: CudaPagedAttention | MetalPagedAttention
     gather: PageGather
     prefers_sdpa: SdpaRule
+    # long prefills over cached prefixes, read from their pages (Hopper only; the rule's
+    # `SdpaPick.prefill` sequences)
+    prefill: HopperPrefillAttention | None = None
 
 
 def cuda_backend(cuda_kernel=None, wgmma: bool | None = None) -> KernelBackend:
-    """`wgmma`: whether head dim 128 runs the Hopper kernel (`hopper_paged_attention`); None:
+    """`wgmma`: whether head dim 128 runs the Hopper kernels (`hopper_paged_attention`, and
+    `hopper_prefill_attention` for the long prefills the rule hands it); None:
     wherever this machine can (an sm_90 GPU and NVRTC) unless PAGED_PREFIX_CUDA_WGMMA=0,
     logged either way."""
     factory = cuda_kernel or mx.fast.cuda_kernel
@@ -58,10 +63,13 @@ def cuda_backend(cuda_kernel=None, wgmma: bool | None = None) -> KernelBackend:
         why_not = (f"{WGMMA_ENV_VAR}=0" if setting == "0"
                    else hopper_paged_attention.unavailable_reason())
         wgmma = why_not is None
-        log.info("CUDA paged attention: %s", "the wgmma kernel (sm_90a) for head dim 128, "
-                 "mma.sync for the others" if wgmma else f"the mma.sync kernel ({why_not})")
+        log.info("CUDA paged attention: %s", "the wgmma kernel (sm_90a) for head dim 128 "
+                 "and the TMA prefill kernel for its long suffixes, mma.sync for the others" if wgmma
+                 else f"the mma.sync kernel ({why_not})")
     attention = HopperPagedAttention(factory) if wgmma else CudaPagedAttention(factory)
-    return KernelBackend("cuda", attention, PageGather("cuda", factory), rules.CudaSdpaRule())
+    prefill = HopperPrefillAttention() if wgmma else None
+    return KernelBackend("cuda", attention, PageGather("cuda", factory),
+                         rules.CudaSdpaRule(prefill=prefill), prefill)
 
 
 def metal_backend(metal_kernel=None) -> KernelBackend:

@@ -7,7 +7,9 @@ Where a sequence's K/V come from, decided once per forward by `plan_sdpa`:
   those rows of the cache, read in place as a strided view, as mlx-lm's SDPA reads its cache
   (under vLLM's allocator, a lone conversation's blocks stay one run turn after turn);
 - otherwise: its pages copied out by a gather: a backend's page-gather kernel (one launch for
-  the batch), or MLX's own take (`reference.gather_kv`) where no kernel exists.
+  the batch), or MLX's own take (`reference.gather_kv`) where no kernel exists;
+- or, for the sequences a plan is told to (`prefill_seqs`, the rule's pick on Hopper), no
+  SDPA at all: the backend's prefill kernel reads their pages itself, one launch for them all.
 The first two give SDPA the same layout ([L, Hkv, D] rows seen heads first), the gather another
 ([Hkv, L, D]); MLX builds one cuDNN graph per layout and shape (see `rules.CudaSdpaRule`).
 
@@ -31,6 +33,8 @@ import reference
 from .page_gather import GatherPlan, PageGather, plan_gather
 from .support import Geometry, Lengths, as_pages, as_rows, check_call, page_runs
 
+PREFILL = "prefill kernel"  # a planned sequence's source: the prefill kernel attends it
+
 
 @dataclass(frozen=True)
 class SdpaPlan:
@@ -38,41 +42,55 @@ class SdpaPlan:
     lengths: Lengths
     # per planned sequence: its rows of q (start, end) and where its K/V come from: an int, its
     # index in the gather's output; a slice, its rows of the cache, read in place; None, its
-    # own new rows (nothing cached)
-    rows: tuple[tuple[int, int, int | slice | None], ...]
+    # own new rows (nothing cached); PREFILL, the prefill kernel's output
+    rows: tuple[tuple[int, int, int | slice | str | None], ...]
     gather: GatherPlan  # the planned sequences to gather, in batch order
     whole: bool  # one sequence holding every row of q: no slicing (each slice is an op a layer)
     cache_rows: int  # the cache rows the reads in place need: the caches must hold as many
+    prefill: tuple | None = None  # (the prefill kernel, its plan of the PREFILL sequences)
 
     def sources(self) -> str:
         """Where the planned sequences' K/V come from, for a log line."""
         kinds = Counter("gathered" if isinstance(source, int) else
-                        "uncached" if source is None else "read in place"
+                        "uncached" if source is None else
+                        "read by the prefill kernel" if source == PREFILL else "read in place"
                         for *_, source in self.rows)
         return "sequences: " + ", ".join(f"{n} {kind}" for kind, n in sorted(kinds.items()))
 
 
 def plan_sdpa(cu_seqlens_q: np.ndarray, seq_lens: np.ndarray, geometry: Geometry,
-              seqs=None, block_tables=None) -> SdpaPlan:
+              seqs=None, block_tables=None, prefill_seqs=(), prefill_kernel=None) -> SdpaPlan:
     """`seqs`: plan only these sequences (sorted batch indices); None plans all.
     `block_tables`: the host copy of the table the calls will pass; with it a sequence whose
-    pages are one run of consecutive blocks is read in place, not gathered."""
+    pages are one run of consecutive blocks is read in place, not gathered.
+    `prefill_seqs`: planned sequences with a cached prefix that `prefill_kernel` attends."""
     lengths = Lengths.of(cu_seqlens_q, seq_lens)
     picked = lengths.subset(seqs)
     cu, lens = lengths.cu_seqlens_q.tolist(), lengths.seq_lens.tolist()
     planned = range(len(lens)) if picked is None else picked.tolist()
     g = geometry
     cached = [s for s in planned if lens[s] > cu[s + 1] - cu[s]]
+    prefill_seqs = sorted({int(s) for s in prefill_seqs})
+    if prefill_seqs and (prefill_kernel is None or not set(prefill_seqs) <= set(cached)):
+        raise ValueError(f"prefill_seqs: {prefill_seqs} must be planned sequences with a cached "
+                         "prefix, given with their kernel")
+    cached = [s for s in cached if s not in prefill_seqs]
     runs = {} if block_tables is None else page_runs(block_tables, lengths.seq_lens, cached,
                                                      g.block_size)
     in_place = {s: slice(b * g.block_size, b * g.block_size + lens[s]) for s, b in runs.items()}
     gathered = [s for s in cached if s not in in_place]
-    source = {**in_place, **{s: i for i, s in enumerate(gathered)}}
+    source = {**in_place, **{s: i for i, s in enumerate(gathered)},
+              **{s: PREFILL for s in prefill_seqs}}
     rows = tuple((cu[s], cu[s + 1], source.get(s)) for s in planned)
+    prefill = None
+    if prefill_seqs:
+        prefill = prefill_kernel, prefill_kernel.plan(lengths.cu_seqlens_q, lengths.seq_lens, g,
+                                                      seqs=prefill_seqs)
     return SdpaPlan(g, lengths, rows, plan_gather(lengths.seq_lens, gathered, g.block_size,
                                                   g.num_kv_heads, g.head_dim, g.dtype),
                     whole=rows[0][:2] == (0, cu[-1]),
-                    cache_rows=max((r.stop for r in in_place.values()), default=0))
+                    cache_rows=max((r.stop for r in in_place.values()), default=0),
+                    prefill=prefill)
 
 
 def sdpa_attention(
@@ -140,9 +158,16 @@ def attend_rows(
                     for s, n in zip(g.seqs, g.seq_lens)]
     else:
         gathered = gather.launch(k_cache, v_cache, block_tables, g)
+    prefilled = None  # the prefill kernel's output: rows of its sequences only
+    if plan.prefill is not None:
+        kernel, prefill_plan = plan.prefill
+        prefilled = kernel.launch(q, k_cache, v_cache, block_tables, prefill_plan)
     rows = None  # the caches' token rows, viewed once per call
     outs = []
     for start, end, source in plan.rows:
+        if source == PREFILL:
+            outs.append(prefilled if plan.whole else prefilled[start:end])
+            continue
         if isinstance(source, int):
             ks, vs = gathered[source]
         else:

@@ -99,7 +99,7 @@ __device__ __forceinline__ uint64_t smem_desc(uint32_t addr, uint32_t lead, uint
 # Q as the A operand and the running softmax state of rows row_lo and row_lo + 8 of a warp (the
 # m16n8k16 layout; padding rows are zero), P packed from a tile's probabilities (into p, which
 # PACK_P declares), and O += P V from the V tile at v_t (PV_ISSUE only issues it); the
-# warp-specialized prototype (bench/hopper_ws_prototype.py) takes them too.
+# warp-specialized prefill kernel (hopper_prefill_attention.py) takes them too.
 Q_AND_STATE = r"""
   uint32_t qf[KSTEPS][4];
   for (int i = 0; i < 2; ++i) {
@@ -133,12 +133,21 @@ P_FROM_S = r"""#pragma unroll
     }
 """
 PACK_P = "\n    uint32_t p[BLOCK_N / 16][4];  // P as the A operand, 16 keys per k-step\n" + P_FROM_S
-PV_ISSUE = r"""#pragma unroll
-    for (int kk = 0; kk < BLOCK_N / 16; ++kk)  // N-major B: 64-column blocks HALF apart
+
+
+def pv_issue(layout: str, descriptor: str) -> str:
+    """O += P V from the V tile at v_t, issued and not waited on: per 16 keys an m64n128k16
+    wgmma, its N-major B at `descriptor` (of kk, the k-step) for the tile's `layout`."""
+    return (r"""#pragma unroll
+    for (int kk = 0; kk < BLOCK_N / 16; ++kk)  // N-major B: """ + layout + r"""
       wgmma_n128<1>(&o[0][0][0], p[kk], true,
-                    smem_desc(v_t + kk * 2 * GROUP_BYTES, HALF * 2, GROUP_BYTES));
+                    """ + descriptor + r""");
     wgmma_commit();
-"""
+""")
+
+
+PV_ISSUE = pv_issue("64-column blocks HALF apart",
+                    "smem_desc(v_t + kk * 2 * GROUP_BYTES, HALF * 2, GROUP_BYTES)")
 PIN_O = r"""    for (int dt = 0; dt < DTILES; ++dt)
       for (int e = 0; e < 4; ++e) pin(o[0][dt][e]);
 """

@@ -5,7 +5,10 @@ Both paths compute the same function; a rule only picks the faster one, per sequ
 sequence with no cached prefix costs the SDPA path no gather at all (it attends over its own
 new rows). A rule returns an `SdpaPick` (the sequences, and why) or None when it picks none;
 the dispatcher runs the batch on SDPA when every sequence is picked, on the kernel when none
-is, and otherwise both: the kernel over the rest in one launch, SDPA per picked sequence.
+is, and otherwise both: the kernel over the rest in one launch, SDPA per picked sequence. On
+Hopper a pick may hand some of its sequences, those whose pages the SDPA path would gather, to
+the backend's prefill kernel instead (`SdpaPick.prefill`): one launch for all of them, no
+gather, no cuDNN graph.
 """
 
 from __future__ import annotations
@@ -39,6 +42,20 @@ from .support import Geometry, page_runs
 # them all in one launch (32 decode rows with no context: SDPA 672 us, kernel 23 us, an early
 # sweep).
 CUDA_SDPA_MIN_Q = 256
+# The Hopper prefill kernel (hopper_prefill_attention) / gather + SDPA, us per call on the GPU
+# alone, 20 calls evaluated together, same shapes (docs/h200/prefill_kernel.json):
+#              Lq=256         512            1024           2048           4096
+#   C=512      8.9 / 8.5
+#   C=1024     12.0 / 12.1    23.7 / 22.6    51.9 / 46.9
+#   C=2048     18.1 / 19.5    35.6 / 36.3    75.1 / 73.3
+#   C=4096     32.5 / 35.8*   59.3 / 65.6    121.8 / 127.4  266.9 / 270.3  633.9 / 630.7
+#   C=8192                                                  473.1 / 478.2  1052.4 / 1040.3
+#   C=16384    106.1 / 150.4  210.7 / 247.6                 900.8 / 901.1  1945.0 / 1924.6
+# (* before the kernel's one V box a page, which took 0.93-0.94x the time elsewhere.) It wins
+# where the gather costs most against the FLOPs: a cached prefix of at least four times the new
+# tokens, up to 2048 of them; cuDNN keeps the longer suffixes.
+CUDA_PREFILL_MIN_CTX_PER_Q = 4
+CUDA_PREFILL_MAX_Q = 2048
 # MLX's own cache of cuDNN SDPA graphs (mlx/backend/cuda/scaled_dot_product_attention.cpp).
 SDPA_CACHE_ENV, DEFAULT_SDPA_CACHE_SIZE = "MLX_CUDA_SDPA_CACHE_SIZE", 256
 # Unmeasured on Apple hardware: only fresh long prompts (mlx-lm's own path) leave the kernel.
@@ -51,6 +68,7 @@ class SdpaPick:
 
     seqs: tuple[int, ...]
     reason: str
+    prefill: tuple[int, ...] = ()  # of seqs, those the backend's prefill kernel runs
 
 
 def cuda_prefers_sdpa(cu_seqlens_q: np.ndarray, seq_lens: np.ndarray, geometry: Geometry,
@@ -98,6 +116,11 @@ class CudaSdpaRule:
     MLX keys a graph by shape and strides too, and K/V read as rows (new rows, or pages read
     in place) are laid out otherwise than gathered ones: the rule keeps a shape per layout.
 
+    Given the backend's prefill kernel (Hopper), a picked sequence whose pages would be
+    gathered and whose cached prefix holds at least CUDA_PREFILL_MIN_CTX_PER_Q times its new
+    tokens (at most CUDA_PREFILL_MAX_Q of them) goes to that kernel, which needs no graph: it
+    is picked whatever shapes came before, in mixed batches too.
+
     (With every graph built, SDPA and the kernel took about the same time over a chunked
     prefill of 32 prompts: 467 vs 448 ms.) MLX keeps the graphs in a least-recently-used cache
     of MLX_CUDA_SDPA_CACHE_SIZE shapes (default 256); the rule remembers as many shapes asked
@@ -105,7 +128,10 @@ class CudaSdpaRule:
     back to the kernel and a long-running server's memory of shapes stays bounded.
     """
 
-    def __init__(self, capacity: int | None = None):
+    def __init__(self, capacity: int | None = None, prefill=None):
+        """`prefill`: the backend's prefill kernel (its `unsupported_reason(geometry)` says
+        where it runs), or None."""
+        self.prefill = prefill
         if capacity is None:
             capacity = sdpa_cache_size()
         if capacity < 1:
@@ -130,23 +156,42 @@ class CudaSdpaRule:
         # K/V read as rows (new, or pages read in place) or gathered: a graph for each layout
         runs = {} if block_tables is None else page_runs(block_tables, seq_lens, pick.seqs,
                                                          g.block_size)
+        prefill = self._prefill_seqs(pick.seqs, q_lens, seq_lens, runs, g)
+        rest = [s for s in pick.seqs if s not in prefill]
         shapes = {s: (g.num_heads, g.num_kv_heads, g.head_dim, g.dtype, int(q_lens[s]),
                       int(seq_lens[s]), bool(q_lens[s] == seq_lens[s]) or s in runs)
-                  for s in pick.seqs}
+                  for s in rest}
+        why_prefill = (f"; the prefill kernel for {len(prefill)} of them (a cached prefix of "
+                       f">= {CUDA_PREFILL_MIN_CTX_PER_Q}x its new tokens, read from its pages: "
+                       "measured faster than gather + SDPA)" if prefill else "")
+        if not rest:  # no SDPA shape: no graph to wait for
+            return SdpaPick(pick.seqs, pick.reason + why_prefill, prefill)
         if len(pick.seqs) < len(seq_lens):  # mixed: only graphs built already
-            built = tuple(s for s in pick.seqs if shapes[s] in self._built)
+            built = [s for s in rest if shapes[s] in self._built]
             self._touch(self._built, (shapes[s] for s in built))
-            if not built:
+            if not built and not prefill:
                 return None
-            return SdpaPick(built, f"{pick.reason}, at shapes whose cuDNN graphs are built")
+            return SdpaPick(tuple(sorted(built + list(prefill))),
+                            f"{pick.reason}, at shapes whose cuDNN graphs are built{why_prefill}",
+                            prefill)
         # asked before this batch: two new sequences of one shape both build no graph yet
         seen = all(shape in self._asked for shape in shapes.values())
         self._touch(self._asked, shapes.values())
         if not seen:
-            return None
+            if not prefill:
+                return None
+            return SdpaPick(prefill, f"{pick.reason}{why_prefill}; the others' shapes are new",
+                            prefill)
         self._touch(self._built, shapes.values())
         return SdpaPick(pick.seqs, f"{pick.reason}, at shapes asked for before (cuDNN graphs "
-                                   "built)")
+                                   f"built){why_prefill}", prefill)
+
+    def _prefill_seqs(self, seqs, q_lens, seq_lens, runs, g: Geometry) -> tuple[int, ...]:
+        """The sequences of `seqs` the prefill kernel takes (see the class)."""
+        if self.prefill is None or self.prefill.unsupported_reason(g) is not None:
+            return ()
+        return tuple(s for s in seqs if s not in runs and q_lens[s] <= CUDA_PREFILL_MAX_Q and
+                     seq_lens[s] - q_lens[s] >= CUDA_PREFILL_MIN_CTX_PER_Q * q_lens[s])
 
 
 def metal_prefers_sdpa(cu_seqlens_q: np.ndarray, seq_lens: np.ndarray, geometry: Geometry,

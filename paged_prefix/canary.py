@@ -86,6 +86,20 @@ def check_attention(backend: KernelBackend, g: Geometry) -> str | None:
     return None
 
 
+def check_prefill(backend: KernelBackend, g: Geometry) -> str | None:
+    """None when the backend's prefill kernel matches the reference on this variant, else why."""
+    small, q, k_cache, v_cache, table, cu, seq_lens = _case(g)
+    want = reference.paged_attention(*(x.astype(mx.float32) for x in (q, k_cache, v_cache)),
+                                     table, cu, seq_lens, small.scale)
+    kernel = backend.prefill
+    try:
+        out = kernel(q, k_cache, v_cache, table, kernel.plan(cu, seq_lens, small))
+        mx.eval(out)
+    except Exception as e:
+        return f"{type(e).__name__}: {e}"
+    return _mismatch(out, want, TOLERANCES[g.dtype])
+
+
 def check_gather(backend: KernelBackend, g: Geometry) -> str | None:
     """None when gather + SDPA through the backend's gather kernel equals the MLX-gather path
     exactly (a copy has no rounding), else why."""

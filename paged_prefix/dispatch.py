@@ -12,6 +12,9 @@ Paths:
   mixed      (auto only) both, when the backend's rule picks SDPA for some sequences of a
              batch only (long prefills next to decode rows): one kernel launch for the rest,
              whose rows of the output the SDPA sequences' rows then overwrite.
+On Hopper the rule may hand some picked sequences to the backend's prefill kernel instead
+(`Choice.prefill_seqs`): the sdpa and mixed paths then launch it once for them, reading their
+pages in place of a gather.
 
 A batch planned again (the same `AttentionMetadata` object, e.g. a benchmark repeating one
 step) reuses the plan of the path chosen: its device arrays are written by the host once. On a
@@ -66,13 +69,15 @@ class Choice:
     reason: str
     backend: str | None = None  # whose kernel runs: the paged kernel's, or the sdpa path's gather
     sdpa_seqs: tuple[int, ...] = ()  # mixed: the sequences SDPA runs (the kernel the others)
+    prefill_seqs: tuple[int, ...] = ()  # sdpa, mixed: those the backend's prefill kernel runs
 
     def components(self) -> tuple[str, ...]:
         """The backend's kernels this choice runs, each checked on first use."""
         if self.backend is None:
             return ()
-        return {"sdpa": ("gather",), "mixed": ("attention", "gather")}.get(self.path,
-                                                                           ("attention",))
+        used = {"sdpa": ("gather",), "mixed": ("attention", "gather")}.get(self.path,
+                                                                         ("attention",))
+        return used + ("prefill",) if self.prefill_seqs else used
 
 
 class ForwardAttention:
@@ -139,10 +144,11 @@ class Dispatcher:
         if pick is None:
             return Choice(name, "kernel supports the call and the measured rule picks it", name)
         if len(pick.seqs) == len(meta.seq_lens_host):
-            return Choice("sdpa", pick.reason, self._gather_backend(g))
+            return Choice("sdpa", pick.reason, name if pick.prefill else self._gather_backend(g),
+                          prefill_seqs=pick.prefill)
         # with the kernel's own gather, which copies any row the kernel reads (16-byte rows)
         return Choice("mixed", f"{pick.reason}; the {name} kernel runs the others", name,
-                      pick.seqs)
+                      pick.seqs, pick.prefill)
 
     def _gather_backend(self, g: Geometry) -> str | None:
         for name, backend in self.backends.items():
@@ -157,7 +163,7 @@ class Dispatcher:
                              f"for {meta.block_size}")
         choice = self._validated(self.choose(meta, g), g)
         # logged once per kind of choice: a mixed batch's sequences change from step to step
-        key = (replace(choice, sdpa_seqs=()), g.variant(),
+        key = (replace(choice, sdpa_seqs=(), prefill_seqs=()), g.variant(),
                "decode" if meta.max_q_len == 1 else "prefill")
         if key not in self._logged:
             self._logged.add(key)
@@ -194,7 +200,9 @@ class Dispatcher:
         checks = {"attention": (lambda: backend.attention.unsupported_reason(g),
                                 canary.check_attention),
                   "gather": (lambda: backend.gather.unsupported_reason(g.dtype, g.head_dim),
-                             canary.check_gather)}
+                             canary.check_gather),
+                  "prefill": (lambda: "none" if backend.prefill is None else
+                              backend.prefill.unsupported_reason(g), canary.check_prefill)}
         for component, (unsupported, check) in checks.items():
             key = (backend, component, g.variant())
             # every forward comes here: once checked, a kernel costs a lookup
@@ -215,8 +223,12 @@ class Dispatcher:
                 return reference.paged_attention(q, as_pages(kc, g), as_pages(vc, g), tables, cu,
                                                  lens, g.scale)
             return ref, ref, ""
+        prefill = {}
+        if choice.prefill_seqs:
+            prefill = dict(prefill_seqs=choice.prefill_seqs,
+                           prefill_kernel=self.backends[choice.backend].prefill)
         if choice.path == "sdpa":
-            plan = plan_sdpa(cu, lens, g, block_tables=meta.block_tables_host)
+            plan = plan_sdpa(cu, lens, g, block_tables=meta.block_tables_host, **prefill)
             gather = self.backends[choice.backend].gather if choice.backend else None
             return (lambda q, k, v, kc, vc: sdpa_attention(q, k, v, kc, vc, tables, plan, gather),
                     lambda q, k, v, kc, vc: attend(q, k, v, kc, vc, tables, plan, gather),
@@ -226,7 +238,7 @@ class Dispatcher:
             picked = set(choice.sdpa_seqs)
             plan = kernel.plan(cu, lens, g, seqs=[s for s in range(len(lens)) if s not in picked])
             sdpa = plan_sdpa(cu, lens, g, seqs=choice.sdpa_seqs,
-                             block_tables=meta.block_tables_host)
+                             block_tables=meta.block_tables_host, **prefill)
             gather = self.backends[choice.backend].gather
 
             def checked(q, k, v, kc, vc):

@@ -9,8 +9,8 @@ export PYTHONUNBUFFERED=1 PAGED_PREFIX_STRICT_KERNELS=1
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.max.sm --format=csv | tee "$out/gpu.txt"
 python3 -c "import mlx.core as mx; print('mlx', mx.__version__, mx.default_device(), mx.cuda.is_available())" \
     | tee -a "$out/gpu.txt"
-tests=(tests/test_kernels.py tests/test_runner.py tests/test_dispatch.py tests/test_reference.py
-       tests/test_kv_cache.py tests/test_linear.py tests/test_gpu_time.py)
+tests=(tests/test_kernels.py tests/test_prefill_kernel.py tests/test_runner.py tests/test_dispatch.py
+       tests/test_reference.py tests/test_kv_cache.py tests/test_linear.py tests/test_gpu_time.py)
 # Quantized models in a process of their own: MLX 0.32.4's CUDA quantized matmul reads past the
 # end of a small weight (docs/gpu.md), and where that faults every later test of the process fails.
 python3 -m pytest -q -p no:cacheprovider -m "not emulated" -k "not quantized" "${tests[@]}" 2>&1 \
@@ -25,10 +25,10 @@ python3 bench/chained_attention.py --out "$out/chained.json" 2>&1 | tee "$out/ch
 python3 bench/kernel_timeline.py --out "$out/timeline.json" 2>&1 | tee "$out/timeline.txt"
 python3 bench/crossover.py --out "$out/crossover.json" 2>&1 | tee "$out/crossover.txt"
 python3 bench/wgmma_vs_mma.py --out "$out/wgmma_vs_mma.json" 2>&1 | tee "$out/wgmma_vs_mma.txt"
-# Hopper only (they say so and stop elsewhere): TMA page loads, and the next kernel's prototype
+# Hopper only (they say so and stop elsewhere): TMA page loads, and the prefill kernel's grid
 python3 bench/tma_probe.py --out "$out/tma_probe.json" 2>&1 | tee "$out/tma_probe.txt"
-python3 bench/hopper_ws_prototype.py --out "$out/hopper_ws_prototype.json" 2>&1 \
-    | tee "$out/hopper_ws_prototype.txt"
+python3 bench/prefill_kernel.py --chained --out "$out/prefill_kernel.json" 2>&1 \
+    | tee "$out/prefill_kernel.txt"
 python3 -m pytest -q -p no:cacheprovider bench/test_bench_prefill.py --benchmark-only \
     --benchmark-columns=min,median,mean,rounds --benchmark-sort=name \
     --benchmark-json="$out/prefill.json" 2>&1 | tee "$out/prefill.txt"

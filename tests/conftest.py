@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+from dataclasses import dataclass, field
 
 import mlx.core as mx
 import numpy as np
@@ -137,3 +138,24 @@ class PagedCase:
 
     def oracle(self, scale: float) -> np.ndarray:
         return oracle64(self.q, self.k_seqs, self.v_seqs, self.cu_seqlens_q, scale)
+
+
+def zeros(output_shapes, output_dtypes) -> list[mx.array]:
+    return [mx.zeros(s, dtype=d) for s, d in zip(output_shapes, output_dtypes)]
+
+
+@dataclass
+class CubinStandIns:
+    """NVRTC and MLX's precompiled-kernel launch, stood in for on any machine: what was compiled
+    ((name, arch) each) and every launch's arguments; a launch returns zeros of its outputs."""
+
+    compiled: list = field(default_factory=list)
+    launched: list = field(default_factory=list)
+
+    def compile(self, source: str, name: str, arch: str) -> bytes:
+        self.compiled.append((name, arch))
+        return b"cubin"
+
+    def precompiled(self, **kw) -> list[mx.array]:
+        self.launched.append(kw)
+        return zeros(kw["output_shapes"], kw["output_dtypes"])

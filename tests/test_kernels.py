@@ -28,7 +28,16 @@ from jit_kernels import hopper_paged_attention as hopper_attention
 from jit_kernels import plan as tile_plan
 from jit_kernels.contiguous_sdpa import plan_sdpa, sdpa_attention
 from jit_kernels.support import Geometry
-from tests.conftest import HAS_CUDA, HAS_METAL, HAS_WGMMA, PagedCase, assert_close, oracle64
+from tests.conftest import (
+    HAS_CUDA,
+    HAS_METAL,
+    HAS_WGMMA,
+    CubinStandIns,
+    PagedCase,
+    assert_close,
+    oracle64,
+    zeros,
+)
 
 try:
     from tests.metal_emu import metal_kernel as emulated_metal_kernel
@@ -650,30 +659,19 @@ def test_hopper_kernel_source_is_one_self_contained_unit():
         assert f"QK_SCALE_BITS = {cuda_attention.qk_scale_bits(g.scale)}" in src
 
 
-def _zeros(output_shapes, output_dtypes):
-    return [mx.zeros(s, dtype=d) for s, d in zip(output_shapes, output_dtypes)]
-
-
 def test_hopper_kernel_launch_contract():
     """The wgmma path's host side, with stand-ins: compiled once per variant for sm_90a and
     launched as a cubin with the mma.sync kernel's inputs and outputs, then the query heads and
     the table's width; 64-row tiles only; head dim 64 stays on the mma.sync kernel."""
-    compiled, launched, built = [], [], []
-
-    def compile_cubin(source, name, arch):
-        compiled.append((name, arch))
-        return b"cubin"
-
-    def precompiled(**kw):
-        launched.append(kw)
-        return _zeros(kw["output_shapes"], kw["output_dtypes"])
+    stand_ins, built = CubinStandIns(), []
+    compiled, launched = stand_ins.compiled, stand_ins.launched
 
     def cuda_kernel(**kw):
         built.append(kw["name"])
-        return lambda inputs, output_shapes, output_dtypes, **_: _zeros(output_shapes, output_dtypes)
+        return lambda inputs, output_shapes, output_dtypes, **_: zeros(output_shapes, output_dtypes)
 
-    attention = hopper_attention.HopperPagedAttention(cuda_kernel, compile=compile_cubin,
-                                                      precompiled_kernel=precompiled)
+    attention = hopper_attention.HopperPagedAttention(cuda_kernel, compile=stand_ins.compile,
+                                                      precompiled_kernel=stand_ins.precompiled)
     c = PagedCase([16, 1], [1500, 700], 32, 8, 128, 16, mx.bfloat16)
     g = Geometry(32, 8, 128, 16, mx.bfloat16, 128 ** -0.5)
     plan = attention.plan(c.cu_seqlens_q, c.seq_lens, g)

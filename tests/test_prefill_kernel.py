@@ -1,0 +1,278 @@
+"""The Hopper prefill kernel (TMA page loads, warp-specialized) and the rule that hands it long
+suffixes over cached prefixes.
+
+On a Hopper GPU (gpu-marked): against the float64 oracle, per element, with conftest's
+tolerances, on `PagedCase` layouts (pages shuffled across a NaN-poisoned cache, table padding
+pointing at poison, outputs never pre-zeroed), every variant the kernel builds; and through the
+dispatcher, where the rule must pick it. Anywhere: its source, its launch contract with
+stand-ins, its support rules, and the rule and dispatcher plumbing with a fake kernel.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import mlx.core as mx
+import numpy as np
+import pytest
+
+from jit_kernels import KernelBackend, available_backends, rules
+from jit_kernels import hopper_prefill_attention as prefill_attention
+from jit_kernels import plan as tile_plan
+from jit_kernels.contiguous_sdpa import plan_sdpa
+from jit_kernels.support import Geometry
+from paged_prefix import dispatch
+from paged_prefix.dispatch import Dispatcher
+from paged_prefix.metadata import build_attention_metadata
+from tests.conftest import HAS_WGMMA, CubinStandIns, PagedCase, assert_close
+from tests.test_dispatch import CountingAttention, FakeAttention, FakeGather
+
+G128 = Geometry(32, 8, 128, 16, mx.bfloat16, 128 ** -0.5)
+
+
+@pytest.fixture(autouse=True)
+def fresh_verdicts(monkeypatch):
+    monkeypatch.setattr(dispatch, "_VERDICTS", {})
+
+
+def hopper(test):
+    """On a Hopper GPU only (gpu-marked)."""
+    return pytest.mark.gpu(pytest.mark.skipif(not HAS_WGMMA, reason="no Hopper GPU")(test))
+
+
+def test_source_is_one_self_contained_unit():
+    """NVRTC gets no include path: the source declares what it uses, for either 16-bit type."""
+    for dtype, ab in ((mx.bfloat16, "bf16"), (mx.float16, "f16")):
+        g = Geometry(32, 8, 128, 16, dtype, 128 ** -0.5)
+        src = prefill_attention.kernel_source("paged_prefill_tma_test", g)
+        assert "#include" not in src and 'extern "C" __global__' in src
+        assert "paged_prefill_tma_test(" in src and f'#define AB "{ab}"' in src
+        assert "tma_load4(" in src and "setmaxnreg" in src
+
+
+def test_launch_contract():
+    """Compiled once per variant for sm_90a, launched as a cubin: a block of 384 threads per
+    128-row work item, planned unsplit; the caches' map templates encoded once per shape."""
+    stand_ins, encoded = CubinStandIns(), []
+    compiled, launched = stand_ins.compiled, stand_ins.launched
+
+    def maps(rows, bs, hkv):
+        encoded.append((rows, bs, hkv))
+        return np.zeros(256, dtype=np.uint8)
+
+    kernel = prefill_attention.HopperPrefillAttention(stand_ins.compile, stand_ins.precompiled,
+                                                      maps)
+    c = PagedCase([300, 5], [1500, 700], 32, 8, 128, 16, mx.bfloat16)
+    plan = kernel.plan(c.cu_seqlens_q, c.seq_lens, G128)
+    work = plan.tiles.work_host
+    assert not plan.tiles.num_slots and (work[:, tile_plan.KV_START] == 0).all()  # unsplit
+    assert plan.tiles.num_items == (10 + 1) * 8  # 128 rows: 32 tokens of group 4, 8 kv heads
+    for _ in range(2):
+        out = kernel(c.q, c.k_cache, c.v_cache, c.block_tables, plan)
+        assert out.shape == c.q.shape and out.dtype == c.q.dtype
+    assert [arch for _, arch in compiled] == ["sm_90a"]
+    assert encoded == [(c.num_blocks * 16, 16, 8)]
+    kw = launched[0]
+    assert kw["name"] == compiled[0][0] and prefill_attention._SOURCE_HASH in kw["name"]
+    assert kw["grid"] == (plan.tiles.num_items * 384, 1, 1) and kw["threadgroup"] == (384, 1, 1)
+    assert kw["scalars"] == [32, c.block_tables.shape[1]] and kw["ensure_row_contiguous"]
+    assert kw["shared_memory"] == 2 * 3 * 128 * 128 * 2 + 1024 and len(kw["inputs"]) == 6
+    some = kernel.plan(c.cu_seqlens_q, c.seq_lens, G128, seqs=[1])
+    assert set(some.tiles.work_host[:, tile_plan.SEQ].tolist()) == {1}
+
+
+@pytest.mark.parametrize("change,match", [
+    (dict(head_dim=64, num_heads=8, num_kv_heads=2), "head_dim"),
+    (dict(block_size=64), "block size"),
+    (dict(dtype=mx.float32), "dtype"),
+    (dict(scale=-1.0), "scale"),
+])
+def test_unsupported_geometry_is_refused_with_the_reason(change, match):
+    kernel = prefill_attention.HopperPrefillAttention(lambda *a: b"", lambda **kw: None)
+    g = Geometry(**{**dict(num_heads=32, num_kv_heads=8, head_dim=128, block_size=16,
+                           dtype=mx.bfloat16, scale=0.1), **change})
+    assert match in kernel.unsupported_reason(g)
+    with pytest.raises(ValueError, match=match):
+        kernel.plan(np.array([0, 4]), np.array([9]), g)
+
+
+class Supports:
+    """A stand-in prefill kernel for the host-side rule: supports head dim 128 only."""
+
+    @staticmethod
+    def unsupported_reason(g):
+        return None if g.head_dim == 128 else f"head_dim {g.head_dim}"
+
+
+@pytest.mark.parametrize("q_lens,ctx_lens,prefill", [
+    ([512], [4096], (0,)),            # 8x: the kernel
+    ([256], [1024], (0,)),            # 4x, the bound
+    ([512], [1024], ()),              # 2x: gather + SDPA
+    ([4096], [16384], ()),            # more new tokens than CUDA_PREFILL_MAX_Q
+    ([2048], [8192], (0,)),           # CUDA_PREFILL_MAX_Q itself
+    ([4096], [0], ()),                # nothing cached: SDPA over the new rows
+    ([64, 512], [99999, 2048], (1,)),  # a short suffix stays on the paged kernel
+])
+def test_rule_hands_long_suffixes_over_long_prefixes_to_the_prefill_kernel(q_lens, ctx_lens,
+                                                                           prefill):
+    cu = np.concatenate([[0], np.cumsum(q_lens)])
+    lens = np.array(q_lens) + np.array(ctx_lens)
+    rule = rules.CudaSdpaRule(prefill=Supports())
+    pick = rule(cu, lens, G128)  # the first sight: no cuDNN graph, yet the kernel takes them
+    assert (pick.prefill if pick else ()) == prefill
+    if pick:
+        assert set(pick.prefill) <= set(pick.seqs) and "prefill kernel" in pick.reason
+    assert rules.CudaSdpaRule()(cu, lens, G128) is None  # no kernel: as before
+    other = Geometry(32, 8, 64, 16, mx.bfloat16, 0.125)
+    pick = rule(cu, lens, other)
+    assert pick is None or pick.prefill == ()
+
+
+def test_rule_keeps_pages_in_one_run_on_sdpa_and_mixes_the_kernel_in():
+    """Pages in one run are read in place (no gather to save): SDPA, once its graph is built.
+    Beside decode rows the prefill kernel's sequences are picked though no graph is built."""
+    rule = rules.CudaSdpaRule(prefill=Supports())
+    cu, lens = np.array([0, 512]), np.array([4608])
+    run = np.arange(3, 3 + 288, dtype=np.int32)[None]
+    assert rule(cu, lens, G128, run) is None
+    pick = rule(cu, lens, G128, run)
+    assert pick.seqs == (0,) and pick.prefill == ()
+    assert rule(cu, lens, G128, run[:, ::-1].copy()).prefill == (0,)
+    mixed = rule(np.array([0, 1, 513, 1213]), np.array([90, 4608, 1400]), G128)
+    assert (mixed.seqs, mixed.prefill) == ((1,), (1,))  # 700 over 700 is not 4x
+
+
+class FakeRule:
+    """The CUDA rule's prefill choice at a test's size: prefills of >= 8 tokens leave the
+    paged kernel, those over a prefix of 4x go to the prefill kernel."""
+
+    def __init__(self, prefill):
+        self.prefill = prefill
+
+    def __call__(self, cu, lens, g, tables):
+        q = np.diff(cu)
+        seqs = tuple(int(s) for s in np.flatnonzero(q >= 8))
+        if not seqs:
+            return None
+        prefill = tuple(s for s in seqs if lens[s] - q[s] >= 4 * q[s])
+        return rules.SdpaPick(seqs, "long", prefill)
+
+
+def _run(d, q_lens, ctx, seed=0):
+    c = PagedCase(list(q_lens), list(ctx), 8, 2, 64, 16, mx.float16, seed=seed)
+    meta = build_attention_metadata(list(q_lens), list(ctx), c.pages, 16, c.num_blocks)
+    g = Geometry(8, 2, 64, 16, mx.float16, 0.125)
+    attention = d.plan(meta, g)
+    out = attention(c.q, c.k_new, c.v_new, c.k_cache, c.v_cache)
+    assert_close(out, c.oracle(0.125), mx.float16)
+    attention(c.q, c.k_new, c.v_new, c.k_cache, c.v_cache)  # the unchecked launch
+    return attention.choice
+
+
+@pytest.mark.parametrize("q_lens,ctx,path,sdpa_seqs,prefill_seqs", [
+    ([9], [40], "sdpa", (), (0,)),                    # one sequence: the kernel alone
+    ([9, 12], [40, 20], "sdpa", (), (0,)),            # and SDPA (gathered) beside it
+    ([9, 1, 3], [40, 30, 0], "mixed", (0,), (0,)),    # beside the paged kernel's rows
+    ([1, 12, 9, 2], [7, 0, 80, 16], "mixed", (1, 2), (2,)),
+])
+def test_dispatcher_runs_the_prefill_kernel_for_the_rules_sequences(q_lens, ctx, path,
+                                                                    sdpa_seqs, prefill_seqs):
+    prefill = CountingAttention()
+    backend = KernelBackend("fake", CountingAttention(), FakeGather(), FakeRule(prefill), prefill)
+    d = Dispatcher("auto", backends={"fake": backend}, strict=True)
+    choice = _run(d, q_lens, ctx)
+    assert (choice.path, choice.prefill_seqs) == (path, prefill_seqs)
+    if path == "mixed":
+        assert choice.sdpa_seqs == sdpa_seqs
+    assert "prefill" in choice.components() and choice.backend == "fake"
+    assert prefill.planned[-1] == list(prefill_seqs)  # the forward's plan: its sequences only
+    assert "read by the prefill kernel" in d.last_sources
+
+
+def test_a_failing_prefill_kernel_is_caught_by_the_canary(caplog):
+    """Its first use is checked like every kernel's: strict raises, auto logs and falls back."""
+    broken = FakeAttention(error=0.02)
+    backend = KernelBackend("fake", FakeAttention(), FakeGather(), FakeRule(broken), broken)
+    with pytest.raises(RuntimeError, match="fake prefill kernel"):
+        _run(Dispatcher("auto", backends={"fake": backend}, strict=True), [9], [40])
+    dispatch._VERDICTS.clear()
+    with caplog.at_level(logging.WARNING, logger="paged_prefix.dispatch"):
+        choice = _run(Dispatcher("auto", backends={"fake": backend}, strict=False), [9], [40])
+    assert choice.path == "reference" and "prefill kernel" in choice.reason
+    assert "fake prefill kernel" in caplog.text
+
+
+def test_plan_refuses_prefill_sequences_it_cannot_run():
+    g = Geometry(8, 2, 64, 16, mx.float16, 0.125)
+    cu, lens = np.array([0, 9, 12]), np.array([49, 3])
+    with pytest.raises(ValueError, match="prefill_seqs"):
+        plan_sdpa(cu, lens, g, prefill_seqs=(1,), prefill_kernel=FakeAttention())  # uncached
+    with pytest.raises(ValueError, match="prefill_seqs"):
+        plan_sdpa(cu, lens, g, prefill_seqs=(0,))  # no kernel
+
+
+# -- on a Hopper GPU ------------------------------------------------------------------------
+
+def _check_kernel(q_lens, ctx_lens, group=4, num_kv_heads=8, block_size=16, dtype=mx.bfloat16,
+                  seqs=None, seed=0):
+    g = Geometry(group * num_kv_heads, num_kv_heads, 128, block_size, dtype, 128 ** -0.5)
+    c = PagedCase(q_lens, ctx_lens, g.num_heads, num_kv_heads, 128, block_size, dtype, seed=seed)
+    kernel = available_backends()["cuda"].prefill
+    plan = kernel.plan(c.cu_seqlens_q, c.seq_lens, g, seqs=seqs)
+    out = kernel(c.q, c.k_cache, c.v_cache, c.block_tables, plan)
+    want = c.oracle(g.scale)
+    rows = np.concatenate([np.arange(c.cu_seqlens_q[s], c.cu_seqlens_q[s + 1])
+                           for s in (range(len(q_lens)) if seqs is None else seqs)])
+    assert_close(out[mx.array(rows)], want[rows], dtype, f"q={q_lens} ctx={ctx_lens} seqs={seqs}")
+    return out, kernel, c, plan
+
+
+@hopper
+@pytest.mark.parametrize("dtype", [mx.float16, mx.bfloat16], ids=["fp16", "bf16"])
+@pytest.mark.parametrize("group", [1, 3, 4, 8])
+@pytest.mark.parametrize("block_size", [8, 16, 32])
+def test_variants(dtype, group, block_size):
+    """Every variant the kernel builds: a partial last page and tile, causal rows past 128."""
+    _check_kernel([129], [1000], group, 2, block_size, dtype)
+
+
+@hopper
+@pytest.mark.parametrize("q_lens,ctx_lens,seqs", [
+    ([300, 77, 5], [16, 2000, 3333], None),  # partial pages and tiles, three sequences
+    ([64, 1, 200], [0, 511, 45], None),      # a decode row, an uncached one
+    ([1000], [17], None),
+    ([512], [4096], None),
+    ([256, 1, 600], [2048, 50, 2400], [0, 2]),  # a plan of some: the others' rows unwritten
+])
+def test_layouts(q_lens, ctx_lens, seqs):
+    _check_kernel(q_lens, ctx_lens, seqs=seqs, seed=len(q_lens))
+
+
+@hopper
+def test_a_long_prefix():
+    """70040 keys: pages past 2**16 rows of the cache, 548 tiles of keys in one item."""
+    _check_kernel([40], [70000], group=4, num_kv_heads=1, block_size=32)
+
+
+@hopper
+def test_repeated_calls_are_bitwise_equal_and_caches_as_stored_read_alike():
+    out, kernel, c, plan = _check_kernel([512], [4096])
+    again = kernel(c.q, c.k_cache, c.v_cache, c.block_tables, plan)
+    words = [x.view(mx.uint32).reshape(-1, 8, 64) for x in (c.k_cache, c.v_cache)]
+    stored = kernel(c.q, *words, c.block_tables, plan)
+    assert mx.array_equal(out, again).item() and mx.array_equal(out, stored).item()
+
+
+@hopper
+def test_the_dispatcher_picks_it_on_the_real_backend(caplog):
+    """4096 cached tokens, 512 new, pages shuffled: the rule's prefill kernel, the first time."""
+    c = PagedCase([512], [4096], 32, 8, 128, 16, mx.bfloat16, seed=3)
+    meta = build_attention_metadata([512], [4096], c.pages, 16, c.num_blocks)
+    d = Dispatcher("auto", strict=True)
+    with caplog.at_level(logging.INFO, logger="paged_prefix.dispatch"):
+        attention = d.plan(meta, G128)
+    assert (attention.choice.path, attention.choice.prefill_seqs) == ("sdpa", (0,))
+    out = attention(c.q, c.k_new, c.v_new, c.k_cache, c.v_cache)
+    assert_close(out, c.oracle(G128.scale), mx.bfloat16)
+    assert "prefill kernel" in caplog.text and d.last_sources.endswith("read by the prefill kernel")
+
