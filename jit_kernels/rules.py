@@ -6,9 +6,8 @@ sequence with no cached prefix costs the SDPA path no gather at all (it attends 
 new rows). A rule returns an `SdpaPick` (the sequences, and why) or None when it picks none;
 the dispatcher runs the batch on SDPA when every sequence is picked, on the kernel when none
 is, and otherwise both: the kernel over the rest in one launch, SDPA per picked sequence. On
-Hopper a pick may hand some of its sequences, those whose pages the SDPA path would gather, to
-the backend's prefill kernel instead (`SdpaPick.prefill`): one launch for all of them, no
-gather, no cuDNN graph.
+Hopper a pick may hand some of its sequences with a cached prefix to the backend's prefill
+kernel instead (`SdpaPick.prefill`): one launch for all of them, no gather, no cuDNN graph.
 """
 
 from __future__ import annotations
@@ -116,10 +115,13 @@ class CudaSdpaRule:
     MLX keys a graph by shape and strides too, and K/V read as rows (new rows, or pages read
     in place) are laid out otherwise than gathered ones: the rule keeps a shape per layout.
 
-    Given the backend's prefill kernel (Hopper), a picked sequence whose pages would be
-    gathered and whose cached prefix holds at least CUDA_PREFILL_MIN_CTX_PER_Q times its new
-    tokens (at most CUDA_PREFILL_MAX_Q of them) goes to that kernel, which needs no graph: it
-    is picked whatever shapes came before, in mixed batches too.
+    Given the backend's prefill kernel (Hopper), which needs no graph: a picked sequence whose
+    pages would be gathered and whose cached prefix holds at least CUDA_PREFILL_MIN_CTX_PER_Q
+    times its new tokens (at most CUDA_PREFILL_MAX_Q of them) goes to it whatever shapes came
+    before, in mixed batches too; so does any other picked sequence with a cached prefix that
+    SDPA does not take yet (its graph not built), which the paged kernel would otherwise run:
+    at 256 new tokens and more the prefill kernel took 0.62-0.85x the paged kernel's time at
+    every point measured (docs/h200/prefill_kernel_experiments.json, run 6).
 
     (With every graph built, SDPA and the kernel took about the same time over a chunked
     prefill of 32 prompts: 467 vs 448 ms.) MLX keeps the graphs in a least-recently-used cache
@@ -156,39 +158,41 @@ class CudaSdpaRule:
         # K/V read as rows (new, or pages read in place) or gathered: a graph for each layout
         runs = {} if block_tables is None else page_runs(block_tables, seq_lens, pick.seqs,
                                                          g.block_size)
-        prefill = self._prefill_seqs(pick.seqs, q_lens, seq_lens, runs, g)
-        rest = [s for s in pick.seqs if s not in prefill]
+        first = self._prefill_seqs(pick.seqs, q_lens, seq_lens, runs, g)
+        rest = [s for s in pick.seqs if s not in first]
         shapes = {s: (g.num_heads, g.num_kv_heads, g.head_dim, g.dtype, int(q_lens[s]),
                       int(seq_lens[s]), bool(q_lens[s] == seq_lens[s]) or s in runs)
                   for s in rest}
-        why_prefill = (f"; the prefill kernel for {len(prefill)} of them (a cached prefix of "
-                       f">= {CUDA_PREFILL_MIN_CTX_PER_Q}x its new tokens, read from its pages: "
-                       "measured faster than gather + SDPA)" if prefill else "")
-        if not rest:  # no SDPA shape: no graph to wait for
-            return SdpaPick(pick.seqs, pick.reason + why_prefill, prefill)
         if len(pick.seqs) < len(seq_lens):  # mixed: only graphs built already
-            built = [s for s in rest if shapes[s] in self._built]
-            self._touch(self._built, (shapes[s] for s in built))
-            if not built and not prefill:
-                return None
-            return SdpaPick(tuple(sorted(built + list(prefill))),
-                            f"{pick.reason}, at shapes whose cuDNN graphs are built{why_prefill}",
-                            prefill)
-        # asked before this batch: two new sequences of one shape both build no graph yet
-        seen = all(shape in self._asked for shape in shapes.values())
-        self._touch(self._asked, shapes.values())
-        if not seen:
-            if not prefill:
-                return None
-            return SdpaPick(prefill, f"{pick.reason}{why_prefill}; the others' shapes are new",
-                            prefill)
-        self._touch(self._built, shapes.values())
-        return SdpaPick(pick.seqs, f"{pick.reason}, at shapes asked for before (cuDNN graphs "
-                                   f"built){why_prefill}", prefill)
+            sdpa = [s for s in rest if shapes[s] in self._built]
+            self._touch(self._built, (shapes[s] for s in sdpa))
+            why_sdpa = ", at shapes whose cuDNN graphs are built"
+        else:  # asked before this batch: two new sequences of one shape both build no graph yet
+            seen = all(shape in self._asked for shape in shapes.values())
+            self._touch(self._asked, shapes.values())
+            sdpa = rest if seen else []
+            self._touch(self._built, (shapes[s] for s in sdpa))
+            why_sdpa = ", at shapes asked for before (cuDNN graphs built)"
+        # a cached prefix whose graph is not built: the prefill kernel rather than the paged one
+        waiting = [s for s in rest if s not in sdpa and seq_lens[s] > q_lens[s]]
+        prefill = tuple(sorted(first + (tuple(waiting) if self._prefill_runs(g) else ())))
+        seqs = tuple(sorted(set(sdpa) | set(prefill)))
+        if not seqs:
+            return None
+        reason = pick.reason + (why_sdpa if sdpa else "")
+        if prefill:
+            reason += (f"; the prefill kernel for {len(prefill)} of them (cached prefixes read "
+                       f"from their pages: >= {CUDA_PREFILL_MIN_CTX_PER_Q}x the new tokens, or "
+                       "no cuDNN graph yet; measured faster than gather + SDPA there, and than "
+                       "the paged kernel)")
+        return SdpaPick(seqs, reason, prefill)
+
+    def _prefill_runs(self, g: Geometry) -> bool:
+        return self.prefill is not None and self.prefill.unsupported_reason(g) is None
 
     def _prefill_seqs(self, seqs, q_lens, seq_lens, runs, g: Geometry) -> tuple[int, ...]:
-        """The sequences of `seqs` the prefill kernel takes (see the class)."""
-        if self.prefill is None or self.prefill.unsupported_reason(g) is not None:
+        """The sequences of `seqs` the prefill kernel takes whatever graphs are built."""
+        if not self._prefill_runs(g):
             return ()
         return tuple(s for s in seqs if s not in runs and q_lens[s] <= CUDA_PREFILL_MAX_Q and
                      seq_lens[s] - q_lens[s] >= CUDA_PREFILL_MIN_CTX_PER_Q * q_lens[s])

@@ -104,42 +104,47 @@ class Supports:
         return None if g.head_dim == 128 else f"head_dim {g.head_dim}"
 
 
-@pytest.mark.parametrize("q_lens,ctx_lens,prefill", [
-    ([512], [4096], (0,)),            # 8x: the kernel
-    ([256], [1024], (0,)),            # 4x, the bound
-    ([512], [1024], ()),              # 2x: gather + SDPA
-    ([4096], [16384], ()),            # more new tokens than CUDA_PREFILL_MAX_Q
-    ([2048], [8192], (0,)),           # CUDA_PREFILL_MAX_Q itself
-    ([4096], [0], ()),                # nothing cached: SDPA over the new rows
-    ([64, 512], [99999, 2048], (1,)),  # a short suffix stays on the paged kernel
+@pytest.mark.parametrize("q_lens,ctx_lens,first,then", [
+    ([512], [4096], (0,), (0,)),            # 8x: the prefill kernel, always
+    ([256], [1024], (0,), (0,)),            # 4x, the bound
+    ([2048], [8192], (0,), (0,)),           # CUDA_PREFILL_MAX_Q itself
+    ([512], [1024], (0,), ()),              # 2x: until its cuDNN graph is built, then SDPA
+    ([4096], [16384], (0,), ()),            # more new tokens than CUDA_PREFILL_MAX_Q: the same
+    ([4096], [0], (), ()),                  # nothing cached: the paged kernel, then SDPA
+    ([64, 512], [99999, 2048], (1,), (1,)),  # a short suffix stays on the paged kernel
 ])
-def test_rule_hands_long_suffixes_over_long_prefixes_to_the_prefill_kernel(q_lens, ctx_lens,
-                                                                           prefill):
+def test_rule_hands_cached_long_suffixes_to_the_prefill_kernel(q_lens, ctx_lens, first, then):
+    """The first time a shape comes (no cuDNN graph) every picked sequence with a cached prefix
+    takes the prefill kernel; from the second, SDPA takes those under 4x (or over 2048 new)."""
     cu = np.concatenate([[0], np.cumsum(q_lens)])
     lens = np.array(q_lens) + np.array(ctx_lens)
     rule = rules.CudaSdpaRule(prefill=Supports())
-    pick = rule(cu, lens, G128)  # the first sight: no cuDNN graph, yet the kernel takes them
-    assert (pick.prefill if pick else ()) == prefill
-    if pick:
-        assert set(pick.prefill) <= set(pick.seqs) and "prefill kernel" in pick.reason
-    assert rules.CudaSdpaRule()(cu, lens, G128) is None  # no kernel: as before
-    other = Geometry(32, 8, 64, 16, mx.bfloat16, 0.125)
-    pick = rule(cu, lens, other)
-    assert pick is None or pick.prefill == ()
+    for want in (first, then):
+        pick = rule(cu, lens, G128)
+        assert (pick.prefill if pick else ()) == want
+        if want:
+            assert set(want) <= set(pick.seqs) and "prefill kernel" in pick.reason
+    long = tuple(s for s, q in enumerate(q_lens) if q >= rules.CUDA_SDPA_MIN_Q)
+    assert pick.seqs == long  # the second time: every long prefill leaves the paged kernel
+    assert rules.CudaSdpaRule()(cu, lens, G128) is None  # no prefill kernel: as before
+    other = Geometry(32, 8, 64, 16, mx.bfloat16, 0.125)  # a geometry it does not support
+    assert rule(cu, lens, other) is None
 
 
-def test_rule_keeps_pages_in_one_run_on_sdpa_and_mixes_the_kernel_in():
-    """Pages in one run are read in place (no gather to save): SDPA, once its graph is built.
-    Beside decode rows the prefill kernel's sequences are picked though no graph is built."""
+def test_rule_reads_a_run_of_pages_in_place_once_its_graph_is_built():
+    """Pages in one run have no gather to save: the prefill kernel until SDPA's graph for that
+    layout is built, then SDPA reading them in place; gathered, the same shape stays on the
+    prefill kernel. Beside decode rows, a cached sequence takes the prefill kernel however
+    short its prefix is, where the paged kernel took it before."""
     rule = rules.CudaSdpaRule(prefill=Supports())
     cu, lens = np.array([0, 512]), np.array([4608])
     run = np.arange(3, 3 + 288, dtype=np.int32)[None]
-    assert rule(cu, lens, G128, run) is None
+    assert rule(cu, lens, G128, run).prefill == (0,)
     pick = rule(cu, lens, G128, run)
     assert pick.seqs == (0,) and pick.prefill == ()
     assert rule(cu, lens, G128, run[:, ::-1].copy()).prefill == (0,)
-    mixed = rule(np.array([0, 1, 513, 1213]), np.array([90, 4608, 1400]), G128)
-    assert (mixed.seqs, mixed.prefill) == ((1,), (1,))  # 700 over 700 is not 4x
+    mixed = rule(np.array([0, 1, 513, 1213, 1813]), np.array([90, 4608, 1400, 600]), G128)
+    assert (mixed.seqs, mixed.prefill) == ((1, 2), (1, 2))  # 700 over 700, 600 uncached
 
 
 class FakeRule:
