@@ -147,20 +147,14 @@ def test_rule_reads_a_run_of_pages_in_place_once_its_graph_is_built():
     assert (mixed.seqs, mixed.prefill) == ((1, 2), (1, 2))  # 700 over 700, 600 uncached
 
 
-class FakeRule:
+def fake_rule(cu, lens, g, tables):
     """The CUDA rule's prefill choice at a test's size: prefills of >= 8 tokens leave the
     paged kernel, those over a prefix of 4x go to the prefill kernel."""
-
-    def __init__(self, prefill):
-        self.prefill = prefill
-
-    def __call__(self, cu, lens, g, tables):
-        q = np.diff(cu)
-        seqs = tuple(int(s) for s in np.flatnonzero(q >= 8))
-        if not seqs:
-            return None
-        prefill = tuple(s for s in seqs if lens[s] - q[s] >= 4 * q[s])
-        return rules.SdpaPick(seqs, "long", prefill)
+    q = np.diff(cu)
+    seqs = tuple(int(s) for s in np.flatnonzero(q >= 8))
+    if not seqs:
+        return None
+    return rules.SdpaPick(seqs, "long", tuple(s for s in seqs if lens[s] - q[s] >= 4 * q[s]))
 
 
 def _run(d, q_lens, ctx, seed=0):
@@ -183,7 +177,7 @@ def _run(d, q_lens, ctx, seed=0):
 def test_dispatcher_runs_the_prefill_kernel_for_the_rules_sequences(q_lens, ctx, path,
                                                                     sdpa_seqs, prefill_seqs):
     prefill = CountingAttention()
-    backend = KernelBackend("fake", CountingAttention(), FakeGather(), FakeRule(prefill), prefill)
+    backend = KernelBackend("fake", CountingAttention(), FakeGather(), fake_rule, prefill)
     d = Dispatcher("auto", backends={"fake": backend}, strict=True)
     choice = _run(d, q_lens, ctx)
     assert (choice.path, choice.prefill_seqs) == (path, prefill_seqs)
@@ -197,7 +191,7 @@ def test_dispatcher_runs_the_prefill_kernel_for_the_rules_sequences(q_lens, ctx,
 def test_a_failing_prefill_kernel_is_caught_by_the_canary(caplog):
     """Its first use is checked like every kernel's: strict raises, auto logs and falls back."""
     broken = FakeAttention(error=0.02)
-    backend = KernelBackend("fake", FakeAttention(), FakeGather(), FakeRule(broken), broken)
+    backend = KernelBackend("fake", FakeAttention(), FakeGather(), fake_rule, broken)
     with pytest.raises(RuntimeError, match="fake prefill kernel"):
         _run(Dispatcher("auto", backends={"fake": backend}, strict=True), [9], [40])
     dispatch._VERDICTS.clear()
