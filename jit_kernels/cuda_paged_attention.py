@@ -430,6 +430,13 @@ def scale_compiles(scale: float) -> bool:
     return isinstance(scale, numbers.Real) and math.isfinite(scale) and scale > 0
 
 
+def scale_reason(scale: float) -> str | None:
+    """Why a kernel that compiles the scale in cannot take this one, or None."""
+    if scale_compiles(scale):
+        return None
+    return f"scale {scale!r} (the kernel compiles in a positive finite scale)"
+
+
 def qk_scale_bits(scale: float) -> int:
     """The float32 bits of scale * log2(e) as an int: the kernel's template constant. (MLX's
     CUDA allocator keeps arrays of at most 8 bytes in a read-mostly managed pool; each
@@ -508,9 +515,7 @@ class CudaPagedAttention(support.PagedAttentionKernel):
         return (64, 128)
 
     def unsupported_reason(self, geometry: Geometry) -> str | None:
-        if not scale_compiles(geometry.scale):
-            return f"scale {geometry.scale!r} (the kernel compiles in a positive finite scale)"
-        return super().unsupported_reason(geometry)
+        return scale_reason(geometry.scale) or super().unsupported_reason(geometry)
 
     def plan(self, cu_seqlens_q: np.ndarray, seq_lens: np.ndarray, geometry: Geometry,
              seqs=None, block_m: int | None = None) -> CudaAttentionPlan:

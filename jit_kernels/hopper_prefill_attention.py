@@ -241,10 +241,8 @@ class HopperPrefillAttention:
         self._templates: dict[tuple, mx.array] = {}
 
     def unsupported_reason(self, g: Geometry) -> str | None:
-        why = support.unsupported_reason(g, HEAD_DIMS)  # block sizes 8-32: whole swizzle atoms
-        if why is None and not cpa.scale_compiles(g.scale):
-            why = f"scale {g.scale!r} (compiled in: positive and finite)"
-        return why
+        # block sizes 8-32 (support's): whole swizzle atoms that tile KV_TILE
+        return support.unsupported_reason(g, HEAD_DIMS) or cpa.scale_reason(g.scale)
 
     def plan(self, cu_seqlens_q, seq_lens, geometry: Geometry, seqs=None) -> PrefillPlan:
         """`seqs`: plan only these sequences (sorted batch indices); None plans all."""

@@ -158,7 +158,11 @@ class CudaSdpaRule:
         # K/V read as rows (new, or pages read in place) or gathered: a graph for each layout
         runs = {} if block_tables is None else page_runs(block_tables, seq_lens, pick.seqs,
                                                          g.block_size)
-        first = self._prefill_seqs(pick.seqs, q_lens, seq_lens, runs, g)
+        prefill_runs = self.prefill is not None and self.prefill.unsupported_reason(g) is None
+        # gathered otherwise, over a prefix of 4x: the prefill kernel whatever graphs are built
+        first = [s for s in pick.seqs if prefill_runs and s not in runs and
+                 q_lens[s] <= CUDA_PREFILL_MAX_Q and
+                 seq_lens[s] - q_lens[s] >= CUDA_PREFILL_MIN_CTX_PER_Q * q_lens[s]]
         rest = [s for s in pick.seqs if s not in first]
         shapes = {s: (g.num_heads, g.num_kv_heads, g.head_dim, g.dtype, int(q_lens[s]),
                       int(seq_lens[s]), bool(q_lens[s] == seq_lens[s]) or s in runs)
@@ -174,8 +178,8 @@ class CudaSdpaRule:
             self._touch(self._built, (shapes[s] for s in sdpa))
             why_sdpa = ", at shapes asked for before (cuDNN graphs built)"
         # a cached prefix whose graph is not built: the prefill kernel rather than the paged one
-        waiting = [s for s in rest if s not in sdpa and seq_lens[s] > q_lens[s]]
-        prefill = tuple(sorted(first + (tuple(waiting) if self._prefill_runs(g) else ())))
+        waiting = [s for s in rest if prefill_runs and s not in sdpa and seq_lens[s] > q_lens[s]]
+        prefill = tuple(sorted(first + waiting))
         seqs = tuple(sorted(set(sdpa) | set(prefill)))
         if not seqs:
             return None
@@ -186,16 +190,6 @@ class CudaSdpaRule:
                        "no cuDNN graph yet; measured faster than gather + SDPA there, and than "
                        "the paged kernel)")
         return SdpaPick(seqs, reason, prefill)
-
-    def _prefill_runs(self, g: Geometry) -> bool:
-        return self.prefill is not None and self.prefill.unsupported_reason(g) is None
-
-    def _prefill_seqs(self, seqs, q_lens, seq_lens, runs, g: Geometry) -> tuple[int, ...]:
-        """The sequences of `seqs` the prefill kernel takes whatever graphs are built."""
-        if not self._prefill_runs(g):
-            return ()
-        return tuple(s for s in seqs if s not in runs and q_lens[s] <= CUDA_PREFILL_MAX_Q and
-                     seq_lens[s] - q_lens[s] >= CUDA_PREFILL_MIN_CTX_PER_Q * q_lens[s])
 
 
 def metal_prefers_sdpa(cu_seqlens_q: np.ndarray, seq_lens: np.ndarray, geometry: Geometry,

@@ -66,38 +66,36 @@ def _mismatch(out: mx.array, want: mx.array, tol: tuple[float, float]) -> str | 
     return None
 
 
+def _failure(kernel, g: Geometry, plannings) -> str | None:
+    """Why `kernel` differs from the reference on this variant's case, or None: planned once
+    per (label, plan keywords) that `plannings(case geometry)` lists, each run and checked."""
+    small, q, k_cache, v_cache, table, cu, seq_lens = _case(g)
+    want = reference.paged_attention(*(x.astype(mx.float32) for x in (q, k_cache, v_cache)),
+                                     table, cu, seq_lens, small.scale)
+    for label, options in plannings(small):
+        try:
+            out = kernel(q, k_cache, v_cache, table, kernel.plan(cu, seq_lens, small, **options))
+            mx.eval(out)
+        except Exception as e:  # a compile or launch error is exactly what the canary is for
+            return f"{label}{type(e).__name__}: {e}"
+        why = _mismatch(out, want, TOLERANCES[g.dtype])
+        if why:
+            return f"{label}{why}"
+    return None
+
+
 def check_attention(backend: KernelBackend, g: Geometry) -> str | None:
     """None when the backend's paged kernel matches the reference on this variant at every
     query-tile height a plan may choose, else why. Every height's kernel is built here, so a
     server's warm-up builds them all and no request waits for a compile."""
-    small, q, k_cache, v_cache, table, cu, seq_lens = _case(g)
-    want = reference.paged_attention(*(x.astype(mx.float32) for x in (q, k_cache, v_cache)),
-                                     table, cu, seq_lens, small.scale)
     kernel = backend.attention
-    for rows in kernel.tile_rows(small):
-        try:
-            out = kernel(q, k_cache, v_cache, table, kernel.plan(cu, seq_lens, small, block_m=rows))
-            mx.eval(out)
-        except Exception as e:  # a compile or launch error is exactly what the canary is for
-            return f"{rows}-row query tiles: {type(e).__name__}: {e}"
-        why = _mismatch(out, want, TOLERANCES[g.dtype])
-        if why:
-            return f"{rows}-row query tiles: {why}"
-    return None
+    return _failure(kernel, g, lambda small: [(f"{rows}-row query tiles: ", {"block_m": rows})
+                                              for rows in kernel.tile_rows(small)])
 
 
 def check_prefill(backend: KernelBackend, g: Geometry) -> str | None:
     """None when the backend's prefill kernel matches the reference on this variant, else why."""
-    small, q, k_cache, v_cache, table, cu, seq_lens = _case(g)
-    want = reference.paged_attention(*(x.astype(mx.float32) for x in (q, k_cache, v_cache)),
-                                     table, cu, seq_lens, small.scale)
-    kernel = backend.prefill
-    try:
-        out = kernel(q, k_cache, v_cache, table, kernel.plan(cu, seq_lens, small))
-        mx.eval(out)
-    except Exception as e:
-        return f"{type(e).__name__}: {e}"
-    return _mismatch(out, want, TOLERANCES[g.dtype])
+    return _failure(backend.prefill, g, lambda small: [("", {})])
 
 
 def check_gather(backend: KernelBackend, g: Geometry) -> str | None:

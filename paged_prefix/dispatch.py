@@ -201,7 +201,7 @@ class Dispatcher:
                                 canary.check_attention),
                   "gather": (lambda: backend.gather.unsupported_reason(g.dtype, g.head_dim),
                              canary.check_gather),
-                  "prefill": (lambda: "none" if backend.prefill is None else
+                  "prefill": (lambda: "no prefill kernel" if backend.prefill is None else
                               backend.prefill.unsupported_reason(g), canary.check_prefill)}
         for component, (unsupported, check) in checks.items():
             key = (backend, component, g.variant())
