@@ -11,8 +11,8 @@ the L2 (as bench/chained_attention.py does). Phases, each from the end of the on
     first kv   Q and the first K/V tile landed in shared memory
     loop       the key loop; `per kv tile` = loop / the block's kv tiles
     stores     output (or split partial) stored
-    arrival    split blocks: stores fenced, arrival counted
-    merge      the last split of a tile: the merge of all its splits
+    arrival    split blocks: stores fenced (tickets are taken before the stores)
+    merge      the last split of a tile: the wait for the others' stores, then the merge
 
 `launch` = the last block's end minus the first block's start. A stamp waits for the values it
 names (an asm input), not for memory traffic still in flight.
@@ -56,8 +56,11 @@ EDITS = (
      "  STAMP(3, __float_as_uint(o[0][0][0]))\n"
      "  if (warp_active) {\n    for (int mt = 0; mt < MT; ++mt)"),
     ("  if (slot < 0) return;\n", "  STAMP(4, 0)\n  if (slot < 0) return;\n"),
-    ("  if (!is_last) return;\n", "  STAMP(5, is_last)\n  if (!is_last) return;\n  NOTE(1ull << 16)\n"),
-    ("  if (tid == 0) *counter = 0;", "  __syncthreads();\n  STAMP(6, 0)\n  if (tid == 0) *counter = 0;"),
+    ("  if (!is_last) {\n", "  STAMP(5, is_last)\n  if (!is_last) {\n"),
+    ("  if (tid == 0)\n    while (load_acquire(",
+     "  NOTE(1ull << 16)\n  if (tid == 0)\n    while (load_acquire("),
+    ("  if (tid == 0) counter[0] = counter[1] = 0;",
+     "  __syncthreads();\n  STAMP(6, 0)\n  if (tid == 0) counter[0] = counter[1] = 0;"),
 )
 
 

@@ -9,7 +9,7 @@ ldmatrix + mma.sync m16n8k16 (fp32 accumulate), online softmax in base 2; the ro
 are (token, head-in-group) pairs so one K/V tile serves a whole GQA group; fully visible tiles
 skip the mask, tiles past the causal frontier are never visited. When the tiles are too few
 for the GPU the key range is split, and the last split of a tile to finish merges the tile's
-partials by log-sum-exp inside the same launch (a per-tile arrival counter).
+partials by log-sum-exp inside the same launch (per-tile counters), its own from shared memory.
 """
 
 from __future__ import annotations
@@ -61,6 +61,25 @@ __device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commi
 template <int N> __device__ __forceinline__ void cp_async_wait() {
   asm volatile("cp.async.wait_group %0;\n" :: "n"(N));
 }
+// another block's store, seen once this load sees its count (the split merge's wait)
+__device__ __forceinline__ int load_acquire(const int* p) {
+  int v;
+  asm volatile("ld.acquire.gpu.global.s32 %0, [%1];\n" : "=r"(v) : "l"(p) : "memory");
+  return v;
+}
+// gpu-scope loads through a generic address (global, or this block's shared memory): never a
+// stale L1 line of another block's store
+__device__ __forceinline__ float load_relaxed(const float* p) {
+  float v;
+  asm volatile("ld.relaxed.gpu.f32 %0, [%1];\n" : "=f"(v) : "l"(p));
+  return v;
+}
+__device__ __forceinline__ float4 load_relaxed(const float4* p) {
+  float4 v;
+  asm volatile("ld.relaxed.gpu.v4.f32 {%0, %1, %2, %3}, [%4];\n"
+               : "=f"(v.x), "=f"(v.y), "=f"(v.z), "=f"(v.w) : "l"(p));
+  return v;
+}
 // 2^x; -inf -> 0 (the masked softmax terms)
 __device__ __forceinline__ float fast_exp2(float x) {
   float y;
@@ -109,8 +128,8 @@ template <> struct Mma<__half> {
 # Inputs:  q [T, H, D] T; k_cache, v_cache [num_blocks, BS, Hkv, D] T, or the same bytes in any
 #          dtype (a PagedKVCache's 4-byte words, passed as stored);
 #          block_tables [S, max_blocks] int32; work [num_items, WORK_COLS] int32 (plan.py);
-#          counters int32 [num_tiles], zero between launches (each tile's last split resets its
-#          own, so one array serves launch after launch); after: never read, an output of the
+#          counters int32 [2 num_tiles], zero between launches (each tile's last split resets its
+#          two, so one array serves launch after launch); after: never read, an output of the
 #          last launch that took the same counters, so that MLX runs the two in order (it orders
 #          the launches of one evaluation only by the buffers they share).
 # Outputs: out [T, H, D] T;
@@ -132,6 +151,7 @@ _MMA_SYNC_MAIN = r"""
   constexpr int MT = WARP_M / 16;              // m16 tiles per warp
   constexpr int NUM_THREADS = 32 * BLOCK_M / WARP_M, ROWS_PER_PASS = NUM_THREADS / CHUNKS;
   constexpr int BUF = 2 * BLOCK_N * LD;        // one K + V stage
+  constexpr int STAGE_BYTES = STAGES * BUF * 2;
   static_assert(MT == 1 || MT == 2, "a warp holds 16 or 32 rows");
   static_assert(MT > 1 || BLOCK_M <= 2 * BLOCK_N, "Q staging fits one K + V stage");
   static_assert((BS & (BS - 1)) == 0, "block size is a power of two");
@@ -304,9 +324,26 @@ _MMA_SYNC_PV = r"""
   }
 
 """
-# Normalise and store the rows (or a split's partial and log2-sum-exp), then the last split of a
-# tile merges its partials.
+# Normalise and store the rows, or a split's partial and log2-sum-exp; the last split of a tile
+# to get here merges the tile's partials. It keeps its own partial on chip (in the K/V stages,
+# free by then: STAGE_BYTES of them, row-padded so the MMA layout's stores spread over the
+# banks), so a split tile of n parts writes and reads back n - 1 partials, not n. Whichever split
+# is last, the merge reads the parts in slot order and the same fp32 values: bitwise the same.
 SPLIT_EPILOGUE = r"""
+  constexpr int STAGE_LD = D + 4;  // floats a staged partial row takes
+  static_assert(BLOCK_M * (STAGE_LD + 1) * 4 <= STAGE_BYTES, "a partial fits the K/V stages");
+  // splits take tickets as they get here: counters[2 tile] counts arrivals, [2 tile + 1] the
+  // partials stored
+  __shared__ int is_last;
+  const int tile = item[W_TILE], first = item[W_FIRST_SLOT], nsplit = item[W_NUM_SPLITS];
+  int* counter = const_cast<int*>(counters) + 2 * tile;
+  float* staged = reinterpret_cast<float*>(sK);  // [BLOCK_M][STAGE_LD], then lse [BLOCK_M]
+  if (slot >= 0) {
+    __syncthreads();  // every warp is done with the K/V stages
+    if (tid == 0) is_last = atomicAdd(counter, 1) == nsplit - 1;
+    __syncthreads();
+  }
+  const bool keep = slot >= 0 && is_last;
   if (warp_active) {
     for (int mt = 0; mt < MT; ++mt)
       for (int i = 0; i < 2; ++i) {
@@ -323,29 +360,32 @@ SPLIT_EPILOGUE = r"""
             *reinterpret_cast<uint32_t*>(dst + dt * 8 + col) =
                 Mma<T>::pack(o[mt][dt][2 * i] * inv, o[mt][dt][2 * i + 1] * inv);
         } else {
-          float* dst = o_part + (static_cast<size_t>(slot) * BLOCK_M + row) * D;
+          float* dst = keep ? staged + row * STAGE_LD
+                            : o_part + (static_cast<size_t>(slot) * BLOCK_M + row) * D;
           for (int dt = 0; dt < DTILES; ++dt)
             *reinterpret_cast<float2*>(dst + dt * 8 + col) =
                 make_float2(o[mt][dt][2 * i] * inv, o[mt][dt][2 * i + 1] * inv);
           if (lane % 4 == 0)
-            lse_part[static_cast<size_t>(slot) * BLOCK_M + row] =
-                l > 0.f ? m_run[mt][i] * scale_log2 + log2f(l) : -INFINITY;
+            (keep ? staged + BLOCK_M * STAGE_LD : lse_part + static_cast<size_t>(slot) * BLOCK_M)
+                [row] = l > 0.f ? m_run[mt][i] * scale_log2 + log2f(l) : -INFINITY;
         }
       }
   }
   if (slot < 0) return;
 
-  // Split tile: the last of its splits to get here merges all of them. Every thread fences its
-  // partial stores before the block's arrival is counted (release) ...
-  __shared__ int is_last;
+  // Every thread fences its partial stores before the block's store is counted (release) ...
   __threadfence();
   __syncthreads();
-  const int tile = item[W_TILE], first = item[W_FIRST_SLOT], nsplit = item[W_NUM_SPLITS];
-  int* counter = const_cast<int*>(counters) + tile;
-  if (tid == 0) is_last = atomicAdd(counter, 1) == nsplit - 1;
+  if (!is_last) {
+    if (tid == 0) atomicAdd(counter + 1, 1);
+    return;
+  }
+  // ... and the last waits for the others' (they took their tickets first, so they are running
+  // and store without waiting on anything), then fences before reading them (acquire).
+  if (tid == 0)
+    while (load_acquire(counter + 1) < nsplit - 1) {}
   __syncthreads();
-  if (!is_last) return;
-  __threadfence();  // ... and the merging block fences before reading the others' (acquire).
+  __threadfence();
   // A warp reads whole rows of a partial (a lane per float4 column; 16-lane rows at D=64), each
   // thread MERGE_ROWS rows at once, so one split's loads of all of them are in flight together;
   // rows rescale online, with no pass for their maxima first. (Two threads per row, each reading
@@ -353,11 +393,13 @@ SPLIT_EPILOGUE = r"""
   // C=4096, Lq=16 took 11.9 us that way, 7.9 us this way.)
   constexpr int LANES_PER_ROW = D / 4, ROW_STEP = NUM_THREADS / LANES_PER_ROW;
   constexpr int RB = BLOCK_M / ROW_STEP < MERGE_ROWS ? BLOCK_M / ROW_STEP : MERGE_ROWS;
-  const int c4 = tid % LANES_PER_ROW;
-  // __ldcg: other blocks wrote these through L2; never serve them from this SM's L1
+  const int c4 = tid % LANES_PER_ROW, own = slot - first;
+  // other blocks wrote these through L2: relaxed loads never take them from this SM's L1
   const float* lse = lse_part + static_cast<size_t>(first) * BLOCK_M;
   const float4* part = reinterpret_cast<const float4*>(o_part) +
                        static_cast<size_t>(first) * BLOCK_M * LANES_PER_ROW + c4;
+  const float* own_lse = staged + BLOCK_M * STAGE_LD;
+  const float4* own_part = reinterpret_cast<const float4*>(staged) + c4;
   for (int r0 = tid / LANES_PER_ROW; r0 < rows; r0 += RB * ROW_STEP) {
     float4 acc[RB];
     float m[RB], l[RB];
@@ -369,12 +411,15 @@ SPLIT_EPILOGUE = r"""
     for (int s = 0; s < nsplit; ++s) {
       float ls[RB];
       float4 x[RB];
+      const bool mine = s == own;  // warp-uniform
+      const float* lse_s = mine ? own_lse : lse + static_cast<size_t>(s) * BLOCK_M;
+      const float4* part_s = mine ? own_part : part + static_cast<size_t>(s) * BLOCK_M * LANES_PER_ROW;
+      const int row_step = mine ? STAGE_LD / 4 : LANES_PER_ROW;
 #pragma unroll
       for (int j = 0; j < RB; ++j) {
-        const int row = r0 + j * ROW_STEP;
-        const size_t at = static_cast<size_t>(s) * BLOCK_M + (row < rows ? row : 0);
-        ls[j] = row < rows ? __ldcg(lse + at) : -INFINITY;
-        x[j] = __ldcg(part + at * LANES_PER_ROW);
+        const int row = r0 + j * ROW_STEP, r = row < rows ? row : 0;
+        ls[j] = row < rows ? load_relaxed(lse_s + r) : -INFINITY;
+        x[j] = load_relaxed(part_s + r * row_step);
       }
 #pragma unroll
       for (int j = 0; j < RB; ++j) {
@@ -399,7 +444,7 @@ SPLIT_EPILOGUE = r"""
                      Mma<T>::pack(acc[j].z * inv, acc[j].w * inv));
     }
   }
-  if (tid == 0) *counter = 0;  // ready for the plan's next launch
+  if (tid == 0) counter[0] = counter[1] = 0;  // ready for the plan's next launch
 """
 ATTENTION_SOURCE = _MMA_SYNC_MAIN + ONLINE_SOFTMAX + RESCALE_O + _MMA_SYNC_PV + SPLIT_EPILOGUE
 
@@ -466,7 +511,7 @@ class LaunchOrder:
     on the H200, GPU alone, where the launch at C=1024, Lq=16 takes 18 us.)"""
 
     def __init__(self, counters: tuple[mx.array, ...]):
-        self.counters = counters  # sets of int32 [max(num_tiles, MIN_WORDS)], zero between launches
+        self.counters = counters  # sets of int32 [max(2 num_tiles, MIN_WORDS)], zero between launches
         self.after = list(counters)  # per set: what its next launch follows
         self.turn = 0
 
@@ -534,7 +579,7 @@ class CudaPagedAttention(support.PagedAttentionKernel):
                                           min_items=0 if block_m == 128 else None, seqs=seqs)
         g = geometry
         sets = self.counter_sets if tiles.num_slots else 1  # unsplit: counters never read
-        counters = tuple(mx.zeros((max(tiles.num_tiles, MIN_WORDS),), dtype=mx.int32)
+        counters = tuple(mx.zeros((max(2 * tiles.num_tiles, MIN_WORDS),), dtype=mx.int32)
                          for _ in range(sets))
         warp_m = self.warp_m_128 if block_m == 128 and g.head_dim in WARP_M_128_HEAD_DIMS else 16
         threads = 32 * block_m // warp_m

@@ -32,8 +32,20 @@ ARCH = "sm_90a"
 BLOCK_M = 64  # one warpgroup: four warps of 16 rows
 THREADS = 128
 WGMMA_HEAD_DIMS = (128,)  # others run the mma.sync kernel's variants
-MIN_BLOCKS_PER_SM = 3  # 168 registers a thread, no spills: three blocks per SM (two: 204)
+# 168 registers a thread: three blocks per SM (two: 204). No spills, but 24 bytes at group 1,
+# block 8 (one value kept across the key loop, read back in the split epilogue: nvcc 13.0)
+MIN_BLOCKS_PER_SM = 3
 STAGES = 2  # K/V tiles in flight + 1; 3 measured no faster, 4 fits one block per SM
+# Split KV in parts of at least 9 kv tiles, where the mma.sync kernel takes 8 (see there): a
+# split's fp32 partial is stored and read back. H200, us a call on the GPU alone, 20 calls at
+# once (the sweep's measure) / one after another (chained), over the ceiling's (cuDNN on
+# contiguous K/V), 8 against 9 (docs/h200/split_chunk.json): C1024_Lq64 1.08 / 0.86 against
+# 1.02 / 0.99, C2048_Lq64 1.11 / 0.70 against 1.06 / 0.69, C512_Lq64 1.08 / 0.99 against
+# 0.79 / 1.04, C1024_Lq16 0.55 / 0.83 against 0.56 / 0.94; the same at C4096 and C16384 (the
+# even share of 132 items is the larger chunk there). Fewer, longer parts cost a lone call's
+# latency at C <= 1024 (still at or under the ceiling's) and buy throughput wherever launches
+# overlap.
+SPLIT_MIN_KV_TILES = 9
 
 
 def _wgmma(n: int) -> str:
@@ -178,6 +190,7 @@ ATTENTION_SOURCE = r"""
   constexpr int MT = 1, ROWS_PER_PASS = NUM_THREADS / CHUNKS;
   constexpr int GROUP_BYTES = 8 * 128;   // a swizzle atom: 8 rows of 128 bytes
   constexpr int HALF = BLOCK_N * 64, TILE = BLOCK_N * D;  // elements: a 64-column block, a tile
+  constexpr int STAGE_BYTES = 2 * STAGES * TILE * 2;
   static_assert(D % 64 == 0, "whole 128-byte swizzle rows");
   // a key tile starts a page (KV_START is a multiple of BLOCK_N); a load pass stays in one page
   static_assert(BLOCK_N % BS == 0 && BS % ROWS_PER_PASS == 0, "pages and load passes nest");
@@ -293,6 +306,8 @@ class HopperPagedAttention(cpa.CudaPagedAttention):
     at every point up to Lq = 512, docs/gpu.md); other head dims keep the mma.sync kernel and
     its heights. `compile` turns a source into a cubin (NVRTC's, or a test's stand-in).
     """
+
+    split_min_kv_tiles = SPLIT_MIN_KV_TILES
 
     def __init__(self, cuda_kernel=None, compile=None, precompiled_kernel=None):
         super().__init__(cuda_kernel)

@@ -25,8 +25,10 @@ python3 bench/chained_attention.py --out "$out/chained.json" 2>&1 | tee "$out/ch
 python3 bench/kernel_timeline.py --out "$out/timeline.json" 2>&1 | tee "$out/timeline.txt"
 python3 bench/crossover.py --out "$out/crossover.json" 2>&1 | tee "$out/crossover.txt"
 python3 bench/wgmma_vs_mma.py --out "$out/wgmma_vs_mma.json" 2>&1 | tee "$out/wgmma_vs_mma.txt"
-# Hopper only (they say so and stop elsewhere): TMA page loads, and the prefill kernel's grid
+# Hopper only (they say so and stop elsewhere): TMA page loads, the wgmma kernel's split-KV
+# chunking, and the prefill kernel's grid
 python3 bench/tma_probe.py --out "$out/tma_probe.json" 2>&1 | tee "$out/tma_probe.txt"
+python3 bench/split_chunk.py --out "$out/split_chunk.json" 2>&1 | tee "$out/split_chunk.txt"
 python3 bench/prefill_kernel.py --chained --out "$out/prefill_kernel.json" 2>&1 \
     | tee "$out/prefill_kernel.txt"
 python3 -m pytest -q -p no:cacheprovider bench/test_bench_prefill.py --benchmark-only \

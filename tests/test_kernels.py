@@ -146,8 +146,9 @@ def test_batches(backend, q_lens, ctx_lens, block_m):
 
 @pytest.mark.parametrize("backend", BACKENDS[:1])  # Metal plans for 16 cores: <= 32 splits
 def test_more_than_32_splits(backend):
-    """C=16384, Lq=16 over 2 kv heads: each tile's key range split 33 ways, all merged."""
-    plan = check(backend, [16], [16384], num_heads=8, num_kv_heads=2, block_m=64)
+    """C=20000, Lq=16 over 2 kv heads: each tile's key range split 35 ways (40 by the mma.sync
+    kernel's chunking), all merged."""
+    plan = check(backend, [16], [20000], num_heads=8, num_kv_heads=2, block_m=64)
     assert int(plan.tiles.work_host[:, tile_plan.NUM_SPLITS].max()) > 32
 
 
@@ -487,18 +488,22 @@ def test_cuda_rule_keeps_a_shape_per_layout():
         == (0,)  # a mixed batch: its run's graph is built
 
 
-@pytest.mark.parametrize("q_len,ctx,splits", [
-    (16, 1024, 3), (16, 4096, 9), (16, 16384, 17), (64, 4096, 5), (64, 16384, 5),
+@pytest.mark.parametrize("kind,q_len,ctx,splits", [
+    ("mma", 16, 1024, 3), ("mma", 16, 4096, 9), ("mma", 16, 16384, 17), ("mma", 64, 1024, 3),
+    ("mma", 64, 4096, 5), ("mma", 64, 16384, 5), ("wgmma", 16, 1024, 2), ("wgmma", 16, 4096, 8),
+    ("wgmma", 64, 1024, 2), ("wgmma", 64, 4096, 5), ("wgmma", 64, 16384, 5),
 ])
-def test_cuda_split_chunking(q_len, ctx, splits):
-    """The CUDA plan's measured chunking (host-only): about one item per SM, and no part of a
-    split tile under half of SPLIT_MIN_KV_TILES kv tiles (a tile's parts are balanced)."""
+def test_cuda_split_chunking(kind, q_len, ctx, splits):
+    """The CUDA plans' measured chunking (host-only): about one item per SM, and no part of a
+    split tile under half of the kernel's fewest kv tiles a part (a tile's parts are balanced)."""
     g = Geometry(32, 8, 128, 16, mx.bfloat16, 128 ** -0.5)
-    attention = cuda_attention.CudaPagedAttention()
+    attention = (cuda_attention.CudaPagedAttention() if kind == "mma" else
+                 hopper_attention.HopperPagedAttention())
     tiles = attention.plan(np.array([0, q_len]), np.array([q_len + ctx]), g).tiles
     work = tiles.work_host
     assert int(work[:, tile_plan.NUM_SPLITS].max()) == splits
-    per_sm, min_tiles = cuda_attention.SPLIT_ITEMS_PER_SM, cuda_attention.SPLIT_MIN_KV_TILES
+    per_sm, min_tiles = cuda_attention.SPLIT_ITEMS_PER_SM, attention.split_min_kv_tiles
+    assert min_tiles == (cuda_attention if kind == "mma" else hopper_attention).SPLIT_MIN_KV_TILES
     assert tiles.num_items <= cuda_attention.NUM_SMS * per_sm + tiles.num_tiles
     keys = work[:, tile_plan.KV_END] - work[:, tile_plan.KV_START]
     assert (-(-keys // cuda_attention.BLOCK_N)).min() >= min_tiles // 2
@@ -550,7 +555,8 @@ def test_cuda_launches_of_a_split_plan_run_in_order():
         assert after is (counters if i < sets else calls[i - sets][1][2])  # its set's last lse
     assert all(inputs[-2] is inputs[-1] is whole.order.counters[0] for inputs, _ in calls[launches:])
     for plan in (split, whole):
-        assert all(c.nbytes > 8 and c.size >= plan.tiles.num_tiles for c in plan.order.counters)
+        assert all(c.nbytes > 8 and c.size >= 2 * plan.tiles.num_tiles
+                   for c in plan.order.counters)
     assert dict(split.launch["template"])["QK_SCALE_BITS"] == \
         np.float32(0.125 * cuda_attention.LOG2E).view(np.int32)
     for bad in (0.0, -0.125, float("nan"), float("inf")):
