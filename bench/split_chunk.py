@@ -3,7 +3,7 @@
     python bench/split_chunk.py [--points C1024_Lq64,C512_Lq64] [--chunks 8,9] [--out x.json]
 
 For each point (bench/attention_sweep.py's geometry: `C<cached>_Lq<new>` or `C<cached>_decode<n>`)
-and each fewest kv tiles a split part takes (`split_min_kv_tiles`), the wgmma kernel's GPU time
+and each fewest kv tiles a split part takes (`wgmma_split_min_kv_tiles`), the wgmma kernel's GPU time
 a call: 20 independent calls evaluated together (the sweep's measure) and a chain of dependent
 calls through copies past the L2 (bench/chained_attention.py's), each over cuDNN SDPA on
 contiguous K/V timed the same way.
@@ -46,7 +46,7 @@ def run_point(p: Point, chunks: list[int]) -> dict:
     row = {"point": p.name, "ceiling": {"together": together, "chained": chained}}
     for chunk in chunks:
         kernel = HopperPagedAttention()
-        kernel.split_min_kv_tiles = chunk
+        kernel.wgmma_split_min_kv_tiles = chunk
         plan = kernel.plan(m.cu_seqlens_q_host, m.seq_lens_host, GEOMETRY)
         t = gpu_us_together([lambda k=kernel, pl=plan: k(case.q, case.k_cache, case.v_cache,
                                                          m.block_tables, pl)] * GPU_CALLS)

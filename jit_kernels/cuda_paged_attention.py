@@ -559,6 +559,10 @@ class CudaPagedAttention(support.PagedAttentionKernel):
     def tile_rows(self, geometry: Geometry) -> tuple[int, ...]:
         return (64, 128)
 
+    def split_min_kv_tiles_for(self, geometry: Geometry) -> int:
+        """The fewest kv tiles a split part of this geometry's kernel takes."""
+        return self.split_min_kv_tiles
+
     def unsupported_reason(self, geometry: Geometry) -> str | None:
         return scale_reason(geometry.scale) or super().unsupported_reason(geometry)
 
@@ -575,7 +579,7 @@ class CudaPagedAttention(support.PagedAttentionKernel):
         tiles = tile_plan.build_tile_plan(lengths.cu_seqlens_q, lengths.seq_lens, group,
                                           num_kv_heads, block_m, BLOCK_N, NUM_SMS,
                                           ctas_per_sm=self.split_items_per_sm,
-                                          min_chunk=self.split_min_kv_tiles,
+                                          min_chunk=self.split_min_kv_tiles_for(geometry),
                                           min_items=0 if block_m == 128 else None, seqs=seqs)
         g = geometry
         sets = self.counter_sets if tiles.num_slots else 1  # unsplit: counters never read

@@ -307,7 +307,7 @@ class HopperPagedAttention(cpa.CudaPagedAttention):
     its heights. `compile` turns a source into a cubin (NVRTC's, or a test's stand-in).
     """
 
-    split_min_kv_tiles = SPLIT_MIN_KV_TILES
+    wgmma_split_min_kv_tiles = SPLIT_MIN_KV_TILES  # instance-settable (bench/split_chunk.py)
 
     def __init__(self, cuda_kernel=None, compile=None, precompiled_kernel=None):
         super().__init__(cuda_kernel)
@@ -320,6 +320,10 @@ class HopperPagedAttention(cpa.CudaPagedAttention):
 
     def tile_rows(self, geometry: Geometry) -> tuple[int, ...]:
         return (BLOCK_M,) if self.uses_wgmma(geometry) else super().tile_rows(geometry)
+
+    def split_min_kv_tiles_for(self, geometry: Geometry) -> int:
+        return (self.wgmma_split_min_kv_tiles if self.uses_wgmma(geometry)
+                else super().split_min_kv_tiles_for(geometry))
 
     def plan(self, cu_seqlens_q, seq_lens, geometry: Geometry, seqs=None,
              block_m: int | None = None) -> cpa.CudaAttentionPlan:

@@ -502,11 +502,25 @@ def test_cuda_split_chunking(kind, q_len, ctx, splits):
     tiles = attention.plan(np.array([0, q_len]), np.array([q_len + ctx]), g).tiles
     work = tiles.work_host
     assert int(work[:, tile_plan.NUM_SPLITS].max()) == splits
-    per_sm, min_tiles = cuda_attention.SPLIT_ITEMS_PER_SM, attention.split_min_kv_tiles
+    per_sm, min_tiles = cuda_attention.SPLIT_ITEMS_PER_SM, attention.split_min_kv_tiles_for(g)
     assert min_tiles == (cuda_attention if kind == "mma" else hopper_attention).SPLIT_MIN_KV_TILES
     assert tiles.num_items <= cuda_attention.NUM_SMS * per_sm + tiles.num_tiles
     keys = work[:, tile_plan.KV_END] - work[:, tile_plan.KV_START]
     assert (-(-keys // cuda_attention.BLOCK_N)).min() >= min_tiles // 2
+
+
+def test_hopper_split_chunking_is_the_wgmma_kernels_own():
+    """Host-only: the Hopper backend's mma.sync variants (head dims without wgmma) keep the
+    mma.sync kernel's measured chunking; only the wgmma kernel's plans take its own."""
+    hopper = hopper_attention.HopperPagedAttention()
+    for head_dim, expected in ((64, cuda_attention.SPLIT_MIN_KV_TILES),
+                               (128, hopper_attention.SPLIT_MIN_KV_TILES)):
+        g = Geometry(32, 8, head_dim, 16, mx.bfloat16, head_dim ** -0.5)
+        assert hopper.split_min_kv_tiles_for(g) == expected
+        plan = hopper.plan(np.array([0, 16]), np.array([16 + 1024]), g, block_m=64)
+        mma = cuda_attention.CudaPagedAttention().plan(np.array([0, 16]), np.array([16 + 1024]),
+                                                       g, block_m=64)
+        assert (plan.tiles.num_items == mma.tiles.num_items) == (head_dim == 64)
 
 
 @pytest.mark.parametrize("head_dim,warp_m", [(64, 16), (128, 32)])
