@@ -62,6 +62,16 @@ class Point:
     ctx_lens: list[int]
 
 
+def point_named(name: str) -> Point:
+    """A one-sequence point by its sweep name, C<cached>_Lq<new>, or a decode batch,
+    C<cached>_decode<rows>; the sweep's points and others alike."""
+    cached, new = name[1:].split("_")
+    if new.startswith("decode"):
+        rows = int(new[len("decode"):])
+        return Point(name, [1] * rows, [int(cached)] * rows)
+    return Point(name, [int(new[len("Lq"):])], [int(cached)])
+
+
 def sweep_points(quick: bool) -> list[Point]:
     contexts, q_lens, decode_batch = ([0, 256], [1, 16, 64], 4) if quick else (
         [0, 1024, 4096, 16384], [1, 16, 64, 512, 4096], 32)

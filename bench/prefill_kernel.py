@@ -25,7 +25,7 @@ import mlx.core as mx
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from attention_sweep import GEOMETRY, GPU_CALLS, Point, make_case, path_fns, point_cost  # noqa: E402
+from attention_sweep import GEOMETRY, GPU_CALLS, Point, make_case, path_fns, point_cost, point_named  # noqa: E402
 from chained_attention import ceiling_gpu_us, copies_past_l2  # noqa: E402
 from gpu_time import gpu_us, gpu_us_together  # noqa: E402
 
@@ -36,11 +36,6 @@ POINTS = [f"C{c}_Lq{q}" for c, q in (
     (512, 256), (1024, 256), (2048, 256), (4096, 256), (16384, 256), (1024, 512), (2048, 512),
     (4096, 512), (16384, 512), (1024, 1024), (2048, 1024), (4096, 1024), (4096, 2048),
     (8192, 2048), (16384, 2048), (14736, 1648), (4096, 4096), (16384, 4096))]
-
-
-def parse(name: str) -> Point:
-    ctx, lq = name[1:].split("_Lq")
-    return Point(name, [int(lq)], [int(ctx)])
 
 
 def time_point(point: Point, chained: bool) -> dict:
@@ -92,7 +87,7 @@ def main() -> None:
     print(f"{'point':<15}{'ceiling':>9}{'sdpa':>9}{'kernel':>9}{'prefill':>9}{'auto':>9}  "
           f"{'auto path':<10}{'prefill/ceil':>13}{'prefill/sdpa':>13}  chained ceil/sdpa/prefill")
     for name in (n for n in args.points.split(",") if n):
-        r = time_point(parse(name), args.chained)
+        r = time_point(point_named(name), args.chained)
         rows.append(r)
         chain = r.get("chained")
         print(f"{r['point']:<15}{r['ceiling']:9.1f}{r['sdpa']:9.1f}{r['kernel']:9.1f}"

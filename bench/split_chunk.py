@@ -21,19 +21,11 @@ import mlx.core as mx
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from attention_sweep import GEOMETRY, GPU_CALLS, Point, ceiling_fn, make_case  # noqa: E402
+from attention_sweep import GEOMETRY, GPU_CALLS, Point, ceiling_fn, make_case, point_named  # noqa: E402
 from chained_attention import ceiling_gpu_us, copies_past_l2  # noqa: E402
 from gpu_time import gpu_us, gpu_us_together  # noqa: E402
 
 from jit_kernels.hopper_paged_attention import HopperPagedAttention, unavailable_reason  # noqa: E402
-
-
-def point(name: str) -> Point:
-    cached, new = name[1:].split("_")
-    if new.startswith("decode"):
-        n = int(new[len("decode"):])
-        return Point(name, [1] * n, [int(cached)] * n)
-    return Point(name, [int(new[len("Lq"):])], [int(cached)])
 
 
 def run_point(p: Point, chunks: list[int]) -> dict:
@@ -71,7 +63,7 @@ def main() -> None:
     print(f"{'point':14s} {'':20s}together chained (us a call, GPU alone)")
     rows = []
     for name in args.points.split(","):
-        rows.append(run_point(point(name), [int(c) for c in args.chunks.split(",")]))
+        rows.append(run_point(point_named(name), [int(c) for c in args.chunks.split(",")]))
         mx.clear_cache()
     if args.out:
         args.out.write_text(json.dumps(rows, indent=1))
