@@ -49,6 +49,12 @@ class MLXPlatform(Platform):
     # minutes of compile time for what runs on a few rows.
     simple_compile_backend: str = "eager"
 
+    @classmethod
+    def import_kernels(cls) -> None:
+        """vLLM's compiled CPU kernels (`vllm._C`) are never called by this worker, and loading
+        them kills the process on an x86 CPU without AVX-512 (an illegal instruction, not an
+        ImportError vLLM could catch): import none."""
+
     @property
     def supported_dtypes(self) -> list[torch.dtype]:
         if _mlx_gpu():
