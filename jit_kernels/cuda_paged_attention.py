@@ -22,8 +22,9 @@ import mlx.core as mx
 import numpy as np
 
 from . import plan as tile_plan
-from . import support
-from .support import Geometry
+from .geometry import Geometry, Lengths, dtype_name
+from .interface import PagedAttentionKernel, Plan, refuse_unsupported
+from .sources import source_hash
 
 BLOCK_N = 64  # keys per K/V tile; query tiles are 64 or 128 rows (choose_block_m)
 STAGES = 2  # K/V smem stages (tiles in flight + 1); 3 measured no faster (decode 10% slower)
@@ -448,7 +449,7 @@ SPLIT_EPILOGUE = r"""
 """
 ATTENTION_SOURCE = _MMA_SYNC_MAIN + ONLINE_SOFTMAX + RESCALE_O + _MMA_SYNC_PV + SPLIT_EPILOGUE
 
-_SOURCE_HASH = support.source_hash(HEADER, ATTENTION_SOURCE)
+_SOURCE_HASH = source_hash(HEADER, ATTENTION_SOURCE)
 # Prefill-heavy forwards take 128-row tiles (each K/V tile feeds 128 rows: half the L2 traffic
 # per FLOP of 64-row tiles) when they still give at least this many threadblocks; decode
 # batches and short suffixes keep 64-row tiles (more, smaller blocks in flight per SM).
@@ -525,12 +526,10 @@ class LaunchOrder:
 
 
 @dataclass(frozen=True)
-class CudaAttentionPlan:
+class CudaAttentionPlan(Plan):
     """One forward's launch plan: built once from host arrays, read by every layer (`order`
     alone changes: it holds the arrival counters and the last launches' outputs)."""
 
-    geometry: Geometry
-    lengths: support.Lengths
     block_m: int
     warp_m: int
     tiles: tile_plan.TilePlan
@@ -538,20 +537,12 @@ class CudaAttentionPlan:
     launch: dict  # the kernel call's arguments other than its inputs
 
 
-class CudaPagedAttention(support.PagedAttentionKernel):
-    """plan() once per forward, then call once per layer; kernels are built once per variant.
+class CudaPagedAttention(PagedAttentionKernel):
+    """The CUDA paged kernel; kernels are built once per variant through `cuda_kernel` (MLX's
+    factory; tests pass a stand-in to break a kernel on purpose)."""
 
-    `cuda_kernel` is MLX's factory; tests pass a stand-in to break a kernel on purpose, and
-    bench/kernel_timeline.py one that stamps its phases.
-    """
-
-    name = "cuda"
+    name = "cuda paged kernel"
     head_dims = HEAD_DIMS
-    # instance-settable, so a benchmark can plan other chunkings side by side (bench/split_ncu.py)
-    split_min_kv_tiles = SPLIT_MIN_KV_TILES
-    split_items_per_sm = SPLIT_ITEMS_PER_SM
-    warp_m_128 = WARP_M_128
-    counter_sets = COUNTER_SETS
 
     def __init__(self, cuda_kernel=None):
         super().__init__(cuda_kernel or mx.fast.cuda_kernel)
@@ -561,31 +552,30 @@ class CudaPagedAttention(support.PagedAttentionKernel):
 
     def split_min_kv_tiles_for(self, geometry: Geometry) -> int:
         """The fewest kv tiles a split part of this geometry's kernel takes."""
-        return self.split_min_kv_tiles
+        return SPLIT_MIN_KV_TILES
 
     def unsupported_reason(self, geometry: Geometry) -> str | None:
         return scale_reason(geometry.scale) or super().unsupported_reason(geometry)
 
-    def plan(self, cu_seqlens_q: np.ndarray, seq_lens: np.ndarray, geometry: Geometry,
-             seqs=None, block_m: int | None = None) -> CudaAttentionPlan:
-        """`seqs`: plan only these sequences (see `plan.build_tile_plan`); None plans all.
-        `block_m`: one of `tile_rows`; None chooses by the batch's size."""
-        lengths = self._lengths(cu_seqlens_q, seq_lens, geometry)
-        seqs = lengths.subset(seqs)
-        group, num_kv_heads = geometry.group, geometry.num_kv_heads
-        block_m = self._block_m(block_m, geometry) or choose_block_m(lengths.tokens_of(seqs),
-                                                                      group, num_kv_heads)
-        # 128-row plans are chosen only when they fill the GPU: never split them
-        tiles = tile_plan.build_tile_plan(lengths.cu_seqlens_q, lengths.seq_lens, group,
-                                          num_kv_heads, block_m, BLOCK_N, NUM_SMS,
-                                          ctas_per_sm=self.split_items_per_sm,
-                                          min_chunk=self.split_min_kv_tiles_for(geometry),
-                                          min_items=0 if block_m == 128 else None, seqs=seqs)
+    def plan(self, lengths: Lengths, geometry: Geometry, block_tables: mx.array, seqs=None,
+             block_m: int | None = None) -> CudaAttentionPlan:
+        """`block_m`: one of `tile_rows`; None chooses by the batch's size."""
+        refuse_unsupported(self, geometry)
+        seqs = lengths.seqs(seqs)
         g = geometry
-        sets = self.counter_sets if tiles.num_slots else 1  # unsplit: counters never read
+        block_m = self._block_m(block_m, g) or choose_block_m(lengths.tokens_of(seqs), g.group,
+                                                               g.num_kv_heads)
+        # 128-row plans are chosen only when they fill the GPU: never split them
+        tiles = tile_plan.build_tile_plan(lengths.cu_seqlens_q, lengths.seq_lens, g.group,
+                                          g.num_kv_heads, block_m, BLOCK_N, NUM_SMS,
+                                          ctas_per_sm=SPLIT_ITEMS_PER_SM,
+                                          min_chunk=self.split_min_kv_tiles_for(g),
+                                          min_items=0 if block_m == 128 else None,
+                                          seqs=np.asarray(seqs))
+        sets = COUNTER_SETS if tiles.num_slots else 1  # unsplit: counters never read
         counters = tuple(mx.zeros((max(2 * tiles.num_tiles, MIN_WORDS),), dtype=mx.int32)
                          for _ in range(sets))
-        warp_m = self.warp_m_128 if block_m == 128 and g.head_dim in WARP_M_128_HEAD_DIMS else 16
+        warp_m = WARP_M_128 if block_m == 128 and g.head_dim in WARP_M_128_HEAD_DIMS else 16
         threads = 32 * block_m // warp_m
         slots = max(tiles.num_slots, 1)  # outputs cannot be empty; unused when nothing is split
         launch = dict(
@@ -597,14 +587,13 @@ class CudaPagedAttention(support.PagedAttentionKernel):
             output_shapes=[(lengths.num_tokens, g.num_heads, g.head_dim),
                            (slots, block_m, g.head_dim), (slots, block_m)],
             output_dtypes=[g.dtype, mx.float32, mx.float32])
-        return CudaAttentionPlan(
-            geometry=g, lengths=lengths, block_m=block_m, warp_m=warp_m, tiles=tiles,
-            order=LaunchOrder(counters), launch=launch)
+        return CudaAttentionPlan(g, lengths, block_tables, seqs, block_m=block_m, warp_m=warp_m,
+                                 tiles=tiles, order=LaunchOrder(counters), launch=launch)
 
     def _kernel(self, g: Geometry, block_m: int, warp_m: int):
         key = (g.dtype, g.head_dim, g.group, g.block_size, block_m, warp_m)
         if key not in self._kernels:
-            variant = (f"{support.dtype_name(g.dtype)}_d{g.head_dim}_g{g.group}_b{g.block_size}"
+            variant = (f"{dtype_name(g.dtype)}_d{g.head_dim}_g{g.group}_b{g.block_size}"
                        f"_m{block_m}_w{warp_m}_s{STAGES}")
             q_smem = block_m * (g.head_dim + PAD) * 2 if warp_m > 16 else 0  # else in a stage
             self._kernels[key] = self._factory(
@@ -621,12 +610,10 @@ class CudaPagedAttention(support.PagedAttentionKernel):
         return self._kernels[key]
 
     def launch(self, q: mx.array, k_cache: mx.array, v_cache: mx.array,
-               block_tables: mx.array, plan) -> mx.array:
-        """The call without its entry check, for callers that validated the plan against these
-        arrays already (a forward launches once per layer)."""
+               plan: CudaAttentionPlan) -> mx.array:
         counters, after = plan.order.take()
         out, _, lse_part = self._kernel(plan.geometry, plan.block_m, plan.warp_m)(
-            inputs=[q, k_cache, v_cache, block_tables, plan.tiles.work, counters, after],
+            inputs=[q, k_cache, v_cache, plan.block_tables, plan.tiles.work, counters, after],
             **plan.launch)
         if plan.tiles.num_slots:  # only split tiles count arrivals
             plan.order.ran(lse_part)

@@ -25,8 +25,9 @@ from __future__ import annotations
 import mlx.core as mx
 
 from . import cuda_paged_attention as cpa
-from . import nvrtc, support
-from .support import Geometry
+from . import nvrtc
+from .geometry import Geometry, Lengths, dtype_name
+from .sources import source_hash
 
 ARCH = "sm_90a"
 BLOCK_M = 64  # one warpgroup: four warps of 16 rows
@@ -261,7 +262,7 @@ ATTENTION_SOURCE = r"""
 """ + cpa.ONLINE_SOFTMAX + cpa.RESCALE_O + PACK_P + PV_PRODUCT + r"""  }
 """ + cpa.SPLIT_EPILOGUE
 
-_SOURCE_HASH = support.source_hash(PRELUDE, HEADER, ATTENTION_SOURCE,
+_SOURCE_HASH = source_hash(PRELUDE, HEADER, ATTENTION_SOURCE,
                                    f"{ARCH} {THREADS} {MIN_BLOCKS_PER_SM} {STAGES}")
 INPUTS = ("q", "k_cache", "v_cache", "block_tables", "work", "counters", "after")
 OUTPUTS = ("out", "o_part", "lse_part")
@@ -307,8 +308,6 @@ class HopperPagedAttention(cpa.CudaPagedAttention):
     its heights. `compile` turns a source into a cubin (NVRTC's, or a test's stand-in).
     """
 
-    wgmma_split_min_kv_tiles = SPLIT_MIN_KV_TILES  # instance-settable (bench/split_chunk.py)
-
     def __init__(self, cuda_kernel=None, compile=None, precompiled_kernel=None):
         super().__init__(cuda_kernel)
         self._compile = compile or nvrtc.compile_cubin
@@ -322,14 +321,14 @@ class HopperPagedAttention(cpa.CudaPagedAttention):
         return (BLOCK_M,) if self.uses_wgmma(geometry) else super().tile_rows(geometry)
 
     def split_min_kv_tiles_for(self, geometry: Geometry) -> int:
-        return (self.wgmma_split_min_kv_tiles if self.uses_wgmma(geometry)
+        return (SPLIT_MIN_KV_TILES if self.uses_wgmma(geometry)
                 else super().split_min_kv_tiles_for(geometry))
 
-    def plan(self, cu_seqlens_q, seq_lens, geometry: Geometry, seqs=None,
+    def plan(self, lengths: Lengths, geometry: Geometry, block_tables: mx.array, seqs=None,
              block_m: int | None = None) -> cpa.CudaAttentionPlan:
         if block_m is None and self.uses_wgmma(geometry):
             block_m = BLOCK_M  # the parent checks a caller's height against tile_rows
-        return super().plan(cu_seqlens_q, seq_lens, geometry, seqs=seqs, block_m=block_m)
+        return super().plan(lengths, geometry, block_tables, seqs=seqs, block_m=block_m)
 
     def _kernel(self, g: Geometry, block_m: int, warp_m: int):
         if not self.uses_wgmma(g):
@@ -337,7 +336,7 @@ class HopperPagedAttention(cpa.CudaPagedAttention):
         bits = cpa.qk_scale_bits(g.scale)
         key = ("wgmma", g.dtype, g.head_dim, g.group, g.block_size, bits)
         if key not in self._kernels:
-            name = (f"paged_prefill_wgmma_{_SOURCE_HASH}_{support.dtype_name(g.dtype)}"
+            name = (f"paged_prefill_wgmma_{_SOURCE_HASH}_{dtype_name(g.dtype)}"
                     f"_d{g.head_dim}_g{g.group}_b{g.block_size}_q{bits:x}")
             cubin = self._compile(kernel_source(name, g), name, ARCH)
             smem = 2 * STAGES * cpa.BLOCK_N * g.head_dim * 2 + 1024  # + alignment slack

@@ -38,9 +38,12 @@ import numpy as np
 
 from . import cuda_paged_attention as cpa
 from . import hopper_paged_attention as hp
-from . import nvrtc, support, tma
+from . import nvrtc, tma
 from . import plan as tile_plan
-from .support import Geometry, Lengths
+from .arrays import check_call, device_array
+from .geometry import Geometry, Lengths, dtype_name, unsupported_reason
+from .interface import Plan, refuse_unsupported, write_rows
+from .sources import source_hash
 
 BLOCK_M = 128  # two consumer warpgroups of 64 rows
 KV_TILE = 128  # keys a stage holds (64: 1.15x the time at C16384_Lq512, docs/gpu.md)
@@ -199,7 +202,7 @@ KERNEL = r"""
           Mma<T>::pack(o[0][dt][2 * i] * inv, o[0][dt][2 * i + 1] * inv);
   }
 """
-_SOURCE_HASH = support.source_hash(hp.PRELUDE, hp.HEADER, tma.DEVICE, KERNEL,
+_SOURCE_HASH = source_hash(hp.PRELUDE, hp.HEADER, tma.DEVICE, KERNEL,
                                    f"{BLOCK_M} {KV_TILE} {STAGES} {PRODUCER_REGS} {CONSUMER_REGS}")
 
 
@@ -220,17 +223,15 @@ def kernel_source(name: str, g: Geometry) -> str:
 
 
 @dataclass(frozen=True)
-class PrefillPlan:
-    geometry: Geometry
-    lengths: Lengths
+class PrefillPlan(Plan):
     tiles: tile_plan.TilePlan
 
 
 class HopperPrefillAttention:
-    """plan() once per forward, then call once per layer. `compile` turns a source into a
-    cubin (NVRTC's, or a test's stand-in), `maps` encodes the caches' tensor-map templates."""
+    """The Hopper prefill kernel. `compile` turns a source into a cubin (NVRTC's, or a test's
+    stand-in), `maps` encodes the caches' tensor-map templates."""
 
-    name = "hopper prefill"
+    name = "hopper prefill kernel"
 
     def __init__(self, compile=None, precompiled_kernel=None, maps=None):
         self._compile = compile or nvrtc.compile_cubin
@@ -241,42 +242,41 @@ class HopperPrefillAttention:
         self._templates: dict[tuple, mx.array] = {}
 
     def unsupported_reason(self, g: Geometry) -> str | None:
-        # block sizes 8-32 (support's): whole swizzle atoms that tile KV_TILE
-        return support.unsupported_reason(g, HEAD_DIMS) or cpa.scale_reason(g.scale)
+        # block sizes 8-32 (the shared rule's): whole swizzle atoms that tile KV_TILE
+        return unsupported_reason(g, HEAD_DIMS) or cpa.scale_reason(g.scale)
 
-    def plan(self, cu_seqlens_q, seq_lens, geometry: Geometry, seqs=None) -> PrefillPlan:
-        """`seqs`: plan only these sequences (sorted batch indices); None plans all."""
-        why_not = self.unsupported_reason(geometry)
-        if why_not:
-            raise ValueError(f"{self.name} attention cannot run this geometry: {why_not}")
-        lengths = Lengths.of(cu_seqlens_q, seq_lens)
-        g = geometry
+    def canary_plannings(self, geometry: Geometry) -> tuple[dict, ...]:
+        return ({},)
+
+    def plan(self, lengths: Lengths, geometry: Geometry, block_tables: mx.array,
+             seqs=None) -> PrefillPlan:
+        refuse_unsupported(self, geometry)
+        g, seqs = geometry, lengths.seqs(seqs)
         tiles = tile_plan.build_tile_plan(lengths.cu_seqlens_q, lengths.seq_lens, g.group,
                                           g.num_kv_heads, BLOCK_M, KV_TILE, cpa.NUM_SMS,
-                                          min_items=0, seqs=lengths.subset(seqs))
-        return PrefillPlan(g, lengths, tiles)
+                                          min_items=0, seqs=np.asarray(seqs))
+        return PrefillPlan(g, lengths, block_tables, seqs, tiles)
 
-    def __call__(self, q: mx.array, k_cache: mx.array, v_cache: mx.array,
-                 block_tables: mx.array, plan: PrefillPlan) -> mx.array:
-        """The contract of `reference.contract` for the planned sequences; no host sync."""
-        support.check_call(self.name, plan.geometry, q, support.as_pages(k_cache, plan.geometry),
-                           support.as_pages(v_cache, plan.geometry), block_tables, plan.lengths)
-        return self.launch(q, k_cache, v_cache, block_tables, plan)
+    def check(self, q, k, v, k_cache, v_cache, plan: PrefillPlan) -> None:
+        check_call(self.name, plan.geometry, plan.lengths, q, k, v, k_cache, v_cache,
+                   plan.block_tables)
+
+    def run(self, q, k, v, k_cache, v_cache, plan: PrefillPlan, out=None) -> mx.array:
+        return write_rows(out, self.launch(q, k_cache, v_cache, plan), plan)
 
     def launch(self, q: mx.array, k_cache: mx.array, v_cache: mx.array,
-               block_tables: mx.array, plan: PrefillPlan) -> mx.array:
-        """The call without its entry check (a forward's layers after the first)."""
-        g, tiles = plan.geometry, plan.tiles
+               plan: PrefillPlan) -> mx.array:
+        g, tiles, block_tables = plan.geometry, plan.tiles, plan.block_tables
         key = (g.dtype, g.group, g.block_size, cpa.qk_scale_bits(g.scale))
         if key not in self._cubins:
-            name = (f"paged_prefill_tma_{_SOURCE_HASH}_{support.dtype_name(g.dtype)}"
+            name = (f"paged_prefill_tma_{_SOURCE_HASH}_{dtype_name(g.dtype)}"
                     f"_g{g.group}_b{g.block_size}_q{key[3]:x}")
             self._cubins[key] = name, self._compile(kernel_source(name, g), name, hp.ARCH)
         name, cubin = self._cubins[key]
         rows = k_cache.nbytes // (g.num_kv_heads * g.head_dim * 2)
         shape = (rows, g.block_size, g.num_kv_heads)
         if shape not in self._templates:  # one per cache shape: a server's never changes
-            self._templates[shape] = support.device_array(self._maps(*shape))
+            self._templates[shape] = device_array(self._maps(*shape))
         return self._precompiled(
             name=name, compiled_source=cubin,
             inputs=[q, k_cache, v_cache, block_tables, tiles.work, self._templates[shape]],

@@ -22,8 +22,9 @@ import mlx.core as mx
 import numpy as np
 
 from . import plan as tile_plan
-from . import support
-from .support import Geometry
+from .geometry import Geometry, Lengths, dtype_name
+from .interface import PagedAttentionKernel, Plan, refuse_unsupported
+from .sources import source_hash
 
 # Query-tile rows (the plan's block_m): 4 simdgroups x one 8-row fragment band each; a tile
 # holds BLOCK_Q // group tokens, so rows past ntok * group (2 of 32 for group 3) are padding.
@@ -241,28 +242,22 @@ MERGE_SOURCE = r"""
   }
 """
 
-_SOURCE_HASH = support.source_hash(HEADER, ATTENTION_SOURCE, MERGE_SOURCE)
+_SOURCE_HASH = source_hash(HEADER, ATTENTION_SOURCE, MERGE_SOURCE)
 
 
 @dataclass(frozen=True)
-class MetalAttentionPlan:
-    """One forward's launch plan: built once from host arrays, read by every layer."""
-
-    geometry: Geometry
-    lengths: support.Lengths
+class MetalAttentionPlan(Plan):
     tiles: tile_plan.TilePlan
     qk_scale: mx.array  # float32 [1]: scale * log2(e), folded into Q
     launch: dict  # the attention call's arguments other than its inputs
     merge_launch: dict | None  # the merge's, when the plan splits keys
 
 
-class MetalPagedAttention(support.PagedAttentionKernel):
-    """plan() once per forward, then call once per layer; kernels are built once per variant.
+class MetalPagedAttention(PagedAttentionKernel):
+    """The Metal paged kernel; kernels are built once per variant through `metal_kernel`
+    (MLX's factory; tests pass the CPU emulation of it, or a broken one)."""
 
-    `metal_kernel` is MLX's factory; tests pass the CPU emulation of it, or a broken one.
-    """
-
-    name = "metal"
+    name = "metal paged kernel"
     head_dims = HEAD_DIMS
 
     def __init__(self, metal_kernel=None):
@@ -271,17 +266,15 @@ class MetalPagedAttention(support.PagedAttentionKernel):
     def tile_rows(self, geometry: Geometry) -> tuple[int, ...]:
         return (BLOCK_Q,)
 
-    def plan(self, cu_seqlens_q: np.ndarray, seq_lens: np.ndarray, geometry: Geometry,
-             seqs=None, block_m: int | None = None) -> MetalAttentionPlan:
-        """`seqs`: plan only these sequences (see `plan.build_tile_plan`); None plans all.
-        `block_m`: one of `tile_rows` (there is one)."""
-        lengths = self._lengths(cu_seqlens_q, seq_lens, geometry)
+    def plan(self, lengths: Lengths, geometry: Geometry, block_tables: mx.array, seqs=None,
+             block_m: int | None = None) -> MetalAttentionPlan:
+        """`block_m`: one of `tile_rows` (there is one)."""
+        refuse_unsupported(self, geometry)
         self._block_m(block_m, geometry)
-        tiles = tile_plan.build_tile_plan(lengths.cu_seqlens_q, lengths.seq_lens, geometry.group,
-                                          geometry.num_kv_heads, BLOCK_Q,
-                                          BLOCK_N[geometry.head_dim], GPU_CORES,
-                                          seqs=lengths.subset(seqs))
-        g = geometry
+        g, seqs = geometry, lengths.seqs(seqs)
+        tiles = tile_plan.build_tile_plan(lengths.cu_seqlens_q, lengths.seq_lens, g.group,
+                                          g.num_kv_heads, BLOCK_Q, BLOCK_N[g.head_dim],
+                                          GPU_CORES, seqs=np.asarray(seqs))
         out_shape = (lengths.num_tokens, g.num_heads, g.head_dim)
         slots = max(tiles.num_slots, 1)  # outputs cannot be empty; unused when nothing is split
         launch = dict(
@@ -296,14 +289,14 @@ class MetalPagedAttention(support.PagedAttentionKernel):
             grid=(tiles.merge.shape[0] * NUM_THREADS, 1, 1), threadgroup=(NUM_THREADS, 1, 1),
             output_shapes=[out_shape], output_dtypes=[g.dtype])
         return MetalAttentionPlan(
-            geometry=g, lengths=lengths, tiles=tiles,
+            g, lengths, block_tables, seqs, tiles=tiles,
             qk_scale=mx.array([g.scale * LOG2E], dtype=mx.float32), launch=launch,
             merge_launch=merge_launch)
 
     def _kernel(self, kind: str, g: Geometry):
         key = (kind, g.dtype, g.head_dim, g.group, g.block_size)
         if key not in self._kernels:
-            variant = f"{support.dtype_name(g.dtype)}_d{g.head_dim}_g{g.group}_b{g.block_size}"
+            variant = f"{dtype_name(g.dtype)}_d{g.head_dim}_g{g.group}_b{g.block_size}"
             inputs, outputs, source = {
                 "attention": (["q", "k_cache", "v_cache", "block_tables", "work", "qk_scale"],
                               ["out", "o_part", "lse_part"], ATTENTION_SOURCE),
@@ -317,12 +310,11 @@ class MetalPagedAttention(support.PagedAttentionKernel):
         return self._kernels[key]
 
     def launch(self, q: mx.array, k_cache: mx.array, v_cache: mx.array,
-               block_tables: mx.array, plan) -> mx.array:
-        """The call without its entry check, for callers that validated the plan against these
-        arrays already (a forward launches once per layer)."""
+               plan: MetalAttentionPlan) -> mx.array:
         g, tiles = plan.geometry, plan.tiles
         out, o_part, lse_part = self._kernel("attention", g)(
-            inputs=[q, k_cache, v_cache, block_tables, tiles.work, plan.qk_scale], **plan.launch)
+            inputs=[q, k_cache, v_cache, plan.block_tables, tiles.work, plan.qk_scale],
+            **plan.launch)
         if tiles.merge is None:
             return out
         return self._kernel("merge", g)(inputs=[o_part, lse_part, tiles.merge, out],

@@ -1,6 +1,6 @@
 """Page gather: copy the pages of a batch into contiguous, head-major K/V in one launch.
 
-    [(k, v), ...] = gather(k_cache, v_cache, block_tables, plan)   # plan: plan_gather(...) once
+    [(k, v), ...] = gather.launch(k_cache, v_cache, block_tables, plan)   # plan_gather(...) once
     k, v: [1, Hkv, L_i, D] contiguous, for sequence plan.seqs[i]
 
 The caches may come in any dtype that holds the pages' bytes (the 4-byte words a
@@ -22,8 +22,10 @@ from dataclasses import dataclass
 import mlx.core as mx
 import numpy as np
 
-from . import support
+from .arrays import device_array
+from .geometry import Geometry, dtype_name
 from .plan import column_constants
+from .sources import source_hash
 
 THREADS = 256
 UNROLL = 4  # 16-byte chunks each thread loads before it stores any
@@ -120,7 +122,7 @@ def plan_gather(seq_lens: np.ndarray, seqs: list[int], block_size: int, num_kv_h
         output_shapes=[out_shape, out_shape], output_dtypes=[dtype, dtype])
     return GatherPlan(seqs=tuple(int(s) for s in seqs), seq_lens=tuple(int(n) for n in lens),
                       offsets=tuple(int(r) * head_dim for r in rows),
-                      pages=support.device_array(table.astype(np.int32)), dtype=dtype,
+                      pages=device_array(table.astype(np.int32)), dtype=dtype,
                       block_size=block_size, num_kv_heads=num_kv_heads, head_dim=head_dim,
                       launch=launch)
 
@@ -133,9 +135,9 @@ class PageGather:
         self._factory = kernel_factory
         self._kernels: dict[tuple, object] = {}
 
-    def unsupported_reason(self, dtype: mx.Dtype, head_dim: int) -> str | None:
-        if head_dim * dtype.size % 16:
-            return f"rows of {head_dim} x {dtype} are not a multiple of 16 bytes"
+    def unsupported_reason(self, geometry: Geometry) -> str | None:
+        if geometry.head_dim * geometry.dtype.size % 16:
+            return f"rows of {geometry.head_dim} x {geometry.dtype} are not a multiple of 16 bytes"
         return None
 
     def _kernel(self, plan: GatherPlan):
@@ -144,25 +146,15 @@ class PageGather:
             metal = self.backend == "metal"
             source, header = (METAL_SOURCE, METAL_HEADER) if metal else (CUDA_SOURCE, HEADER)
             self._kernels[key] = self._factory(
-                name=f"page_gather_{support.source_hash(header, source)}_"
-                     f"{support.dtype_name(plan.dtype)}_b{plan.block_size}_h{plan.num_kv_heads}"
+                name=f"page_gather_{source_hash(header, source)}_"
+                     f"{dtype_name(plan.dtype)}_b{plan.block_size}_h{plan.num_kv_heads}"
                      f"_d{plan.head_dim}_u{UNROLL}",
                 input_names=["k_cache", "v_cache", "block_tables", "pages"],
                 output_names=["k_out", "v_out"], source=source, header=header)
         return self._kernels[key]
 
-    def __call__(self, k_cache: mx.array, v_cache: mx.array, block_tables: mx.array,
-                 plan: GatherPlan) -> list[tuple[mx.array, mx.array]]:
-        """[(k, v)] per gathered sequence, each [1, Hkv, L, D] contiguous; no host sync.
-
-        k_cache, v_cache: whole pages of the plan's geometry, in any dtype (see the module)."""
-        self.check(k_cache, v_cache, plan)
-        return self.launch(k_cache, v_cache, block_tables, plan)
-
     def check(self, k_cache: mx.array, v_cache: mx.array, plan: GatherPlan) -> None:
-        why_not = self.unsupported_reason(plan.dtype, plan.head_dim)
-        if why_not:
-            raise ValueError(f"page gather: {why_not}")
+        """k_cache, v_cache: whole pages of the plan's geometry, in any dtype (see the module)."""
         page_bytes = plan.block_size * plan.num_kv_heads * plan.head_dim * plan.dtype.size
         if k_cache.nbytes != v_cache.nbytes or not k_cache.nbytes or k_cache.nbytes % page_bytes:
             raise ValueError(f"k_cache, v_cache: expected the same whole pages of {page_bytes} "
@@ -170,8 +162,7 @@ class PageGather:
 
     def launch(self, k_cache: mx.array, v_cache: mx.array, block_tables: mx.array,
                plan: GatherPlan) -> list[tuple[mx.array, mx.array]]:
-        """`__call__` without its checks, for caches checked against the plan already (the
-        layers of a forward after the first: every host microsecond per layer counts)."""
+        """[(k, v)] per gathered sequence, each [1, Hkv, L, D] contiguous; no host sync."""
         k_out, v_out = self._kernel(plan)(inputs=[k_cache, v_cache, block_tables, plan.pages],
                                           **plan.launch)
         if len(plan.seqs) == 1:

@@ -74,7 +74,10 @@ class PagedAttention(nn.Module):
         cache.kv_cache.write(self.layer, k, v, cache.slots)
         if q.dtype != cache.kv_cache.dtype:
             q = q.astype(cache.kv_cache.dtype)
-        out = cache.attention(q, k, v, *cache.kv_cache.stored(self.layer))
+        caches = cache.kv_cache.stored(self.layer)
+        if self.layer == 0:  # the forward's entry check; later layers have the same shapes
+            cache.attention.check(q, k, v, *caches)
+        out = cache.attention(q, k, v, *caches)
         if out.dtype != x.dtype:
             out = out.astype(x.dtype)
         return self.o_proj(out.reshape(num_tokens, -1))

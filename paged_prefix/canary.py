@@ -13,9 +13,8 @@ import mlx.core as mx
 import numpy as np
 
 import reference
-from jit_kernels import KernelBackend
-from jit_kernels.contiguous_sdpa import plan_sdpa, sdpa_attention
-from jit_kernels.support import Geometry
+from jit_kernels import AttentionKernel, GatheredSdpa
+from jit_kernels.geometry import Geometry, Lengths
 
 # (q_len, context) per sequence: prefill over a multi-page prefix, a decode row, a chunk.
 CASE = ((20, 300), (1, 140), (9, 83))
@@ -66,48 +65,48 @@ def _mismatch(out: mx.array, want: mx.array, tol: tuple[float, float]) -> str | 
     return None
 
 
-def _failure(kernel, g: Geometry, plannings) -> str | None:
-    """Why `kernel` differs from the reference on this variant's case, or None: planned once
-    per (label, plan keywords) that `plannings(case geometry)` lists, each run and checked."""
+def check(kernel: AttentionKernel, g: Geometry) -> str | None:
+    """None when `kernel` matches the reference on this variant's case at every planning its
+    compiled variants need (`canary_plannings`), else why. Every such kernel is built here, so
+    a server's warm-up builds them all and no request waits for a compile. An executor over
+    copied pages is checked on its copy, which must equal MLX's gather exactly: its attention
+    is MLX's SDPA, which may round otherwise on another layout."""
     small, q, k_cache, v_cache, table, cu, seq_lens = _case(g)
-    want = reference.paged_attention(*(x.astype(mx.float32) for x in (q, k_cache, v_cache)),
-                                     table, cu, seq_lens, small.scale)
-    for label, options in plannings(small):
+    lengths = Lengths.of(cu, seq_lens)
+    new = mx.zeros((q.shape[0], NUM_KV_HEADS, g.head_dim), dtype=g.dtype)  # unused: all cached
+    want = None
+    for options in kernel.canary_plannings(small):
+        label = "".join(f"{key}={value}: " for key, value in options.items())
         try:
-            out = kernel(q, k_cache, v_cache, table, kernel.plan(cu, seq_lens, small, **options))
-            mx.eval(out)
+            plan = kernel.plan(lengths, small, table, **options)
+            kernel.check(q, new, new, k_cache, v_cache, plan)
+            if isinstance(kernel, GatheredSdpa):
+                got = kernel.gathered(k_cache, v_cache, plan)
+                mx.eval(got)
+            else:
+                out = kernel.run(q, new, new, k_cache, v_cache, plan)
+                mx.eval(out)
         except Exception as e:  # a compile or launch error is exactly what the canary is for
             return f"{label}{type(e).__name__}: {e}"
-        why = _mismatch(out, want, TOLERANCES[g.dtype])
+        if isinstance(kernel, GatheredSdpa):
+            why = _copy_mismatch(got, k_cache, v_cache, table, seq_lens)
+        else:
+            if want is None:
+                want = reference.paged_attention(
+                    *(x.astype(mx.float32) for x in (q, k_cache, v_cache)), table, cu, seq_lens,
+                    small.scale)
+            why = _mismatch(out, want, TOLERANCES[g.dtype])
         if why:
             return f"{label}{why}"
     return None
 
 
-def check_attention(backend: KernelBackend, g: Geometry) -> str | None:
-    """None when the backend's paged kernel matches the reference on this variant at every
-    query-tile height a plan may choose, else why. Every height's kernel is built here, so a
-    server's warm-up builds them all and no request waits for a compile."""
-    kernel = backend.attention
-    return _failure(kernel, g, lambda small: [(f"{rows}-row query tiles: ", {"block_m": rows})
-                                              for rows in kernel.tile_rows(small)])
-
-
-def check_prefill(backend: KernelBackend, g: Geometry) -> str | None:
-    """None when the backend's prefill kernel matches the reference on this variant, else why."""
-    return _failure(backend.prefill, g, lambda small: [("", {})])
-
-
-def check_gather(backend: KernelBackend, g: Geometry) -> str | None:
-    """None when gather + SDPA through the backend's gather kernel equals the MLX-gather path
-    exactly (a copy has no rounding), else why."""
-    small, q, k_cache, v_cache, table, cu, seq_lens = _case(g)
-    plan = plan_sdpa(cu, seq_lens, small)
-    new = mx.zeros((q.shape[0], NUM_KV_HEADS, g.head_dim), dtype=g.dtype)  # unused: all cached
-    want = sdpa_attention(q, new, new, k_cache, v_cache, table, plan)
-    try:
-        out = sdpa_attention(q, new, new, k_cache, v_cache, table, plan, backend.gather)
-        mx.eval(out)
-    except Exception as e:
-        return f"{type(e).__name__}: {e}"
-    return _mismatch(out, want, (0.0, 0.0))
+def _copy_mismatch(got, k_cache: mx.array, v_cache: mx.array, table: mx.array,
+                   seq_lens: np.ndarray) -> str | None:
+    for s, (k, v) in enumerate(got):
+        want_k, want_v = reference.gather_kv(k_cache, v_cache, table[s], int(seq_lens[s]))
+        for name, a, b in (("k", k, want_k), ("v", v, want_v)):
+            why = _mismatch(a, b, (0.0, 0.0))
+            if why:
+                return f"sequence {s}'s gathered {name} {why}"
+    return None

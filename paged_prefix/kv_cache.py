@@ -29,7 +29,7 @@ from dataclasses import dataclass
 import mlx.core as mx
 import numpy as np
 
-from jit_kernels.support import device_array
+from jit_kernels.arrays import device_array
 
 from .validate import as_int, as_ints, index_dtype
 

@@ -22,7 +22,8 @@ from dataclasses import dataclass
 import mlx.core as mx
 import numpy as np
 
-from jit_kernels.support import device_array
+from jit_kernels.arrays import device_array
+from jit_kernels.geometry import Lengths
 
 from .validate import MAX_INT32, as_int, as_ints, frozen, index_dtype
 
@@ -50,6 +51,7 @@ class AttentionMetadata:
     seq_lens_host: np.ndarray
     context_lens_host: np.ndarray
     cu_seqlens_q_host: np.ndarray
+    lengths: Lengths  # the host lengths, checked once, for every plan of the forward
 
     @property
     def num_seqs(self) -> int:
@@ -123,6 +125,7 @@ def _attention_metadata(q_lens, context_lens, block_tables, block_size, num_bloc
         seq_lens=device_array(host["seq_lens_host"]),
         context_lens=device_array(host["context_lens_host"]),
         cu_seqlens_q=device_array(host["cu_seqlens_q_host"]),
+        lengths=Lengths.of(cu, seq),
         **host,
     )
     return meta, shared

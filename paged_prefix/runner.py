@@ -23,7 +23,7 @@ from dataclasses import dataclass
 import mlx.core as mx
 import mlx.nn as nn
 
-from jit_kernels.support import Geometry
+from jit_kernels.geometry import Geometry
 
 from .attention import ForwardContext, PagedAttention, patch_attention
 from .dispatch import Dispatcher

@@ -211,7 +211,8 @@ class VllmModelRunner:
     def _attention(self) -> str:
         """The last forward's attention path, and for SDPA where its K/V came from."""
         d = self.runner.dispatcher
-        return f"{d.last.path} attention" + (f" ({d.last_sources})" if d.last_sources else "")
+        sources = d.last.summary()
+        return f"{d.last.path} attention" + (f" (sequences: {sources})" if sources else "")
 
     def sample_tokens(self, grammar_output: GrammarOutput | None) -> ModelRunnerOutput:
         """Sample the pending forward's rows with vLLM's Sampler, constrained by the

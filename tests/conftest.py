@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 
 from jit_kernels import hopper_paged_attention
+from jit_kernels.geometry import Lengths
 
 # A kernel variant that fails its first-use check raises in tests instead of falling back.
 os.environ.setdefault("PAGED_PREFIX_STRICT_KERNELS", "1")
@@ -136,8 +137,42 @@ class PagedCase:
         self.v_new = mx.concatenate([v[c:] for v, c in zip(self.v_seqs, ctx_lens)])
         mx.eval(self.q, self.k_cache, self.v_cache, self.k_new, self.v_new)
 
+    @property
+    def lengths(self) -> Lengths:
+        return Lengths.of(self.cu_seqlens_q, self.seq_lens)
+
+    def attend(self, kernel, geometry, **options) -> tuple[mx.array, object]:
+        """(out, plan): `kernel` planned over this case, its entry check, then its run."""
+        plan = kernel.plan(self.lengths, geometry, self.block_tables, **options)
+        args = (self.q, self.k_new, self.v_new, self.k_cache, self.v_cache)
+        kernel.check(*args, plan)
+        return kernel.run(*args, plan), plan
+
+    def forward(self, dispatcher, geometry, k_cache=None, v_cache=None) -> mx.array:
+        """This case as one forward through `dispatcher` (route, entry check, run), on its
+        caches or the given ones."""
+        from paged_prefix.metadata import build_attention_metadata
+
+        q_lens = np.diff(self.cu_seqlens_q)
+        meta = build_attention_metadata(q_lens.tolist(), (self.seq_lens - q_lens).tolist(),
+                                        self.pages, self.block_size, self.num_blocks)
+        attention = dispatcher.plan(meta, geometry)
+        args = (self.q, self.k_new, self.v_new,
+                self.k_cache if k_cache is None else k_cache,
+                self.v_cache if v_cache is None else v_cache)
+        attention.check(*args)
+        return attention(*args)
+
     def oracle(self, scale: float) -> np.ndarray:
         return oracle64(self.q, self.k_seqs, self.v_seqs, self.cu_seqlens_q, scale)
+
+
+def plan_of(kernel, cu_seqlens_q, seq_lens, geometry, **options):
+    """A plan from host lengths alone, over a stand-in one-column block table (for tests that
+    read the plan, not run it)."""
+    lengths = Lengths.of(cu_seqlens_q, seq_lens)
+    return kernel.plan(lengths, geometry, mx.zeros((lengths.num_seqs, 1), dtype=mx.int32),
+                       **options)
 
 
 def zeros(output_shapes, output_dtypes) -> list[mx.array]:

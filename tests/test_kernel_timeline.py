@@ -7,10 +7,10 @@ from __future__ import annotations
 import mlx.core as mx
 import numpy as np
 import pytest
+from jit_kernels.support import Geometry
 
 from bench.kernel_timeline import STAMPS, Timeline, instrument, phases
 from jit_kernels import cuda_paged_attention as cuda_attention
-from jit_kernels.support import Geometry
 
 
 def test_every_anchor_is_in_the_kernel_once():

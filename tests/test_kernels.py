@@ -22,12 +22,13 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from jit_kernels import KernelBackend, available_backends, cuda_backend, metal_backend, nvrtc, rules
+from jit_kernels import KernelBackend, available_backends, cuda_backend, metal_backend, nvrtc
 from jit_kernels import cuda_paged_attention as cuda_attention
 from jit_kernels import hopper_paged_attention as hopper_attention
 from jit_kernels import plan as tile_plan
-from jit_kernels.contiguous_sdpa import plan_sdpa, sdpa_attention
-from jit_kernels.support import Geometry
+from jit_kernels.geometry import Geometry, Lengths
+from paged_prefix import rules
+from paged_prefix.route import page_runs
 from tests.conftest import (
     HAS_CUDA,
     HAS_METAL,
@@ -36,6 +37,7 @@ from tests.conftest import (
     PagedCase,
     assert_close,
     oracle64,
+    plan_of,
     zeros,
 )
 
@@ -97,8 +99,7 @@ def check(backend_name, q_lens, ctx_lens, num_heads=16, num_kv_heads=4, head_dim
         pytest.skip(f"{backend_name} plans no {block_m}-row tiles at head_dim {head_dim}")
     c = PagedCase(q_lens, ctx_lens, num_heads, num_kv_heads, head_dim, block_size, dtype, **kw)
     assert backend.attention.unsupported_reason(g) is None
-    plan = backend.attention.plan(c.cu_seqlens_q, c.seq_lens, g, block_m=block_m)
-    out = backend.attention(c.q, c.k_cache, c.v_cache, c.block_tables, plan)
+    out, plan = c.attend(backend.attention, g, block_m=block_m)
     assert out.shape == c.q.shape and out.dtype == dtype
     assert_close(out, c.oracle(g.scale), dtype, f"{backend_name} q={q_lens} ctx={ctx_lens}")
     return plan
@@ -118,10 +119,9 @@ def test_kernel_reads_the_caches_as_stored(backend, dtype):
     c = PagedCase([5, 1, 37], [13, 998, 0], 8, 2, 64, 16, dtype, seed=7)
     g = Geometry(8, 2, 64, 16, dtype, 0.125)
     attention = get_backend(backend).attention
-    plan = attention.plan(c.cu_seqlens_q, c.seq_lens, g)
-    typed = attention(c.q, c.k_cache, c.v_cache, c.block_tables, plan)
-    stored = attention.launch(c.q, as_stored(c.k_cache), as_stored(c.v_cache), c.block_tables,
-                              plan)
+    typed, plan = c.attend(attention, g)
+    stored = attention.run(c.q, c.k_new, c.v_new, as_stored(c.k_cache), as_stored(c.v_cache),
+                           plan)
     np.testing.assert_array_equal(np.array(stored.view(mx.uint16)),
                                   np.array(typed.view(mx.uint16)))
     assert_close(typed, c.oracle(0.125), dtype)
@@ -197,9 +197,9 @@ def test_calls_of_one_plan_evaluated_together(backend):
     num_calls = cuda_attention.COUNTER_SETS + 2 if backend.startswith("cuda") else len(cases)
     calls = [cases[i % len(cases)] for i in range(num_calls)]
     attention = get_backend(backend).attention
-    plan = attention.plan(cases[0].cu_seqlens_q, cases[0].seq_lens, g)
+    plan = attention.plan(cases[0].lengths, g, cases[0].block_tables)
     assert plan.tiles.num_slots
-    outs = [attention(c.q, c.k_cache, c.v_cache, c.block_tables, plan) for c in calls]
+    outs = [attention.run(c.q, c.k_new, c.v_new, c.k_cache, c.v_cache, plan) for c in calls]
     mx.eval(outs)
     oracles = [c.oracle(g.scale) for c in cases]
     for i, out in enumerate(outs):
@@ -217,29 +217,29 @@ def test_big_cache_64bit_offsets(backend):
 @pytest.mark.parametrize("dtype", [mx.float16, mx.bfloat16, mx.float32], ids=["fp16", "bf16", "fp32"])
 @pytest.mark.parametrize("block_size", [8, 16, 32])
 def test_page_gather_is_an_exact_copy(backend, dtype, block_size):
-    """The gather kernel through the sdpa path equals MLX's take bit for bit."""
+    """The gather kernel's copy equals MLX's take bit for bit, and SDPA over it the oracle."""
     c = PagedCase([5, 1, 70, 9], [block_size - 1, 300, 0, 2 * block_size], 8, 2, 64, block_size,
                   dtype, seed=block_size)
     g = Geometry(8, 2, 64, block_size, dtype, 0.125)
-    plan = plan_sdpa(c.cu_seqlens_q, c.seq_lens, g)
-    assert plan.gather.seqs == (0, 1, 3)  # the sequence with no cached prefix is not copied
-    gather = get_backend(backend).gather
+    gathered = get_backend(backend).gathered
+    cached = (0, 1, 3)  # the sequence with no cached prefix is not copied
+    plan = gathered.plan(c.lengths, g, c.block_tables, cached)
     stored = [as_stored(x) for x in (c.k_cache, c.v_cache)]
     for k_cache, v_cache in ((c.k_cache, c.v_cache), stored):
-        gathered = gather(k_cache, v_cache, c.block_tables, plan.gather)
-        for s, (k, v) in zip(plan.gather.seqs, gathered):
+        gathered.check(c.q, c.k_new, c.v_new, k_cache, v_cache, plan)
+        for s, (k, v) in zip(cached, gathered.gathered(k_cache, v_cache, plan)):
             assert k.shape == v.shape == (1, 2, int(c.seq_lens[s]), 64)
             assert k.dtype == v.dtype == dtype
             np.testing.assert_array_equal(np.array(k[0].view(mx.uint8)),
                                           np.array(c.k_seqs[s].transpose(1, 0, 2).view(mx.uint8)))
             np.testing.assert_array_equal(np.array(v[0].view(mx.uint8)),
                                           np.array(c.v_seqs[s].transpose(1, 0, 2).view(mx.uint8)))
+        out = gathered.run(c.q, c.k_new, c.v_new, k_cache, v_cache, plan)
+        rows = np.concatenate([np.arange(c.cu_seqlens_q[s], c.cu_seqlens_q[s + 1])
+                               for s in cached])
+        assert_close(out[mx.array(rows)], c.oracle(0.125)[rows], dtype)
     with pytest.raises(ValueError, match="whole pages"):
-        gather(c.k_cache[:, :1], c.v_cache[:, :1], c.block_tables, plan.gather)
-    for k_cache, v_cache in ((c.k_cache, c.v_cache), stored):
-        out = sdpa_attention(c.q, c.k_new, c.v_new, k_cache, v_cache, c.block_tables, plan,
-                             gather)
-        assert_close(out, c.oracle(0.125), dtype)
+        gathered.check(c.q, c.k_new, c.v_new, c.k_cache[:, :1], c.v_cache[:, :1], plan)
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
@@ -256,7 +256,7 @@ def test_unsupported_geometry_raises(backend, change, match):
     kernel = get_backend(backend).attention
     assert match in kernel.unsupported_reason(g)
     with pytest.raises(ValueError, match=match):
-        kernel.plan(np.array([0, 3]), np.array([8]), g)
+        plan_of(kernel, np.array([0, 3]), np.array([8]), g)
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
@@ -264,15 +264,18 @@ def test_contract_violations_raise(backend):
     c = PagedCase([3, 1], [5, 9], 8, 2, 64, 16, mx.float16)
     g = Geometry(8, 2, 64, 16, mx.float16, 0.125)
     kernel = get_backend(backend).attention
-    plan = kernel.plan(c.cu_seqlens_q, c.seq_lens, g)
+    plan = kernel.plan(c.lengths, g, c.block_tables)
+    new = (c.k_new, c.v_new)
     with pytest.raises(ValueError, match="q:"):
-        kernel(c.q[:-1], c.k_cache, c.v_cache, c.block_tables, plan)
+        kernel.check(c.q[:-1], *new, c.k_cache, c.v_cache, plan)
     with pytest.raises(ValueError, match="v_cache"):
-        kernel(c.q, c.k_cache, c.v_cache[:, :8], c.block_tables, plan)
+        kernel.check(c.q, *new, c.k_cache, c.v_cache[:, :8], plan)
     with pytest.raises(ValueError, match="dtype"):
-        kernel(c.q, c.k_cache, c.v_cache.astype(mx.bfloat16), c.block_tables, plan)
+        kernel.check(c.q, *new, c.k_cache, c.v_cache.astype(mx.bfloat16), plan)
     with pytest.raises(ValueError, match="plan"):
-        kernel(c.q, c.k_cache[:, :, :1], c.v_cache[:, :, :1], c.block_tables, plan)
+        kernel.check(c.q, *new, c.k_cache[:, :, :1], c.v_cache[:, :, :1], plan)
+    with pytest.raises(ValueError, match="k, v"):
+        kernel.check(c.q, c.k_new[:1], c.v_new, c.k_cache, c.v_cache, plan)
 
 
 def merge_oracle(o_part, lse_part, tiles, out, group):
@@ -367,7 +370,7 @@ def test_plan_refuses_bad_sequence_lists(bad):
     for attention in (cuda_attention.CudaPagedAttention(lambda **_: None),
                       metal_backend(lambda **_: None).attention):
         with pytest.raises(ValueError, match="seqs"):
-            attention.plan(c.cu_seqlens_q, c.seq_lens, g, seqs=bad)
+            attention.plan(c.lengths, g, c.block_tables, seqs=bad)
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
@@ -378,8 +381,8 @@ def test_kernel_plan_of_some_sequences(backend):
     g = Geometry(8, 2, 64, 16, mx.bfloat16, 0.125)
     attention = get_backend(backend).attention
     seqs = [1, 3]
-    plan = attention.plan(c.cu_seqlens_q, c.seq_lens, g, seqs=seqs)
-    out = np.array(attention(c.q, c.k_cache, c.v_cache, c.block_tables, plan).astype(mx.float32))
+    out, _ = c.attend(attention, g, seqs=seqs)
+    out = np.array(out.astype(mx.float32))
     want = c.oracle(g.scale)
     for s in seqs:
         rows = slice(int(c.cu_seqlens_q[s]), int(c.cu_seqlens_q[s + 1]))
@@ -393,21 +396,35 @@ def test_dispatcher_mixes_sdpa_and_the_kernel(backend, monkeypatch):
     decode rows (split KV), and the batch matches the oracle, first call and later layers'."""
     from paged_prefix import dispatch
     from paged_prefix.metadata import build_attention_metadata
+    from paged_prefix.route import Source
 
-    monkeypatch.setattr(dispatch, "_VERDICTS", {})
     monkeypatch.setattr(rules, "CUDA_SDPA_MIN_Q", 32)  # CUDA's length rule at a test's size
     real = get_backend(backend)
-    mixed = KernelBackend(real.name, real.attention, real.gather, rules.cuda_prefers_sdpa)
-    d = dispatch.Dispatcher("auto", backends={real.name: mixed}, strict=True)
+    fresh = KernelBackend(real.name, real.attention, real.gathered)  # its own first-use checks
+    d = dispatch.Dispatcher("auto", backends={real.name: fresh}, strict=True,
+                            rule_of=lambda b: lambda lengths, g, runs: rules.cuda_prefers_sdpa(
+                                lengths))
     q_lens, ctx = [1, 40, 1, 33], [300, 0, 90, 21]
     case = PagedCase(q_lens, ctx, 8, 2, 64, 16, mx.float16, seed=6)
     meta = build_attention_metadata(q_lens, ctx, case.pages, 16, case.num_blocks)
     attention = d.plan(meta, Geometry(8, 2, 64, 16, mx.float16, 0.125))
-    assert (attention.choice.path, attention.choice.sdpa_seqs) == ("mixed", (1, 3))
+    assert attention.route.path == "mixed"
+    assert attention.route.sources == (Source.PAGED, Source.NEW_ROWS, Source.PAGED,
+                                       Source.GATHERED)
+    attention.check(case.q, case.k_new, case.v_new, case.k_cache, case.v_cache)
     for _ in range(2):
         out = attention(case.q, case.k_new, case.v_new, case.k_cache, case.v_cache)
         assert_close(out, case.oracle(0.125), mx.float16)
     assert d.counts == {"mixed": 2}
+
+
+def ask(rule, cu, lens, g, table=None):
+    """A rule's pick for host lengths, with the page runs the route would find in `table`
+    (none without one: every cached prefix gathered)."""
+    lengths = Lengths.of(cu, lens)
+    cached = [s for s in range(lengths.num_seqs) if lengths.seq_lens[s] > lengths.q_lens[s]]
+    runs = {} if table is None else page_runs(np.asarray(table), lengths, cached, g.block_size)
+    return rule(lengths, g, runs)
 
 
 @pytest.mark.parametrize("q_lens,ctx_lens,sdpa", [
@@ -423,24 +440,24 @@ def test_cuda_measured_rule(q_lens, ctx_lens, sdpa):
     g = Geometry(32, 8, 128, 16, mx.bfloat16, 128 ** -0.5)
     want = tuple(s for s, q in enumerate(q_lens) if q >= rules.CUDA_SDPA_MIN_Q)
     assert want == sdpa
-    pick = rules.cuda_prefers_sdpa(cu, lens, g)
+    pick = rules.cuda_prefers_sdpa(Lengths.of(cu, lens))
     assert (pick.seqs if pick else ()) == want
     rule = rules.CudaSdpaRule()  # the backend's: SDPA only for shapes asked for before
     everyone = len(want) == len(q_lens)
-    assert rule(cu, lens, g) is None
-    pick = rule(cu, lens, g)
+    assert ask(rule, cu, lens, g) is None
+    pick = ask(rule, cu, lens, g)
     # a mixed batch builds no graph: its long sequences stay on the kernel until batches of
     # long prefills only have run their shapes on SDPA
     assert (pick.seqs if pick else ()) == (want if everyone else ())
     other = Geometry(32, 8, 64, 16, mx.bfloat16, 64 ** -0.5)
-    assert rule(cu, lens, other) is None  # another geometry is another cuDNN graph
+    assert ask(rule, cu, lens, other) is None  # another geometry is another cuDNN graph
     if not want or everyone:
         return
     for s in want:  # each long shape asked for twice alone: its graph is built
         alone_cu, alone_lens = np.array([0, q_lens[s]]), lens[s:s + 1]
-        assert rule(alone_cu, alone_lens, g) is None
-        assert rule(alone_cu, alone_lens, g).seqs == (0,)
-    assert rule(cu, lens, g).seqs == want
+        assert ask(rule, alone_cu, alone_lens, g) is None
+        assert ask(rule, alone_cu, alone_lens, g).seqs == (0,)
+    assert ask(rule, cu, lens, g).seqs == want
 
 
 def test_cuda_rule_counts_a_shape_new_to_the_batch_once():
@@ -448,8 +465,8 @@ def test_cuda_rule_counts_a_shape_new_to_the_batch_once():
     g = Geometry(32, 8, 128, 16, mx.bfloat16, 128 ** -0.5)
     rule = rules.CudaSdpaRule()
     cu, lens = np.array([0, 300, 600]), np.array([400, 400])
-    assert rule(cu, lens, g) is None
-    assert rule(cu, lens, g).seqs == (0, 1)
+    assert ask(rule, cu, lens, g) is None
+    assert ask(rule, cu, lens, g).seqs == (0, 1)
 
 
 def test_cuda_rule_mixes_only_shapes_whose_graphs_are_built():
@@ -460,15 +477,15 @@ def test_cuda_rule_mixes_only_shapes_whose_graphs_are_built():
     rule = rules.CudaSdpaRule(capacity=2)
     mixed_cu, mixed_lens = np.array([0, 1, 301, 302]), np.array([90, 1300, 40])
     for _ in range(3):
-        assert rule(mixed_cu, mixed_lens, g) is None
+        assert ask(rule, mixed_cu, mixed_lens, g) is None
     alone = (np.array([0, 300]), np.array([1300]))
-    assert rule(*alone, g) is None  # asked for the first time: the kernel
-    assert rule(*alone, g).seqs == (0,)  # again: SDPA builds its graph
-    assert rule(mixed_cu, mixed_lens, g).seqs == (1,)
+    assert ask(rule, *alone, g) is None  # asked for the first time: the kernel
+    assert ask(rule, *alone, g).seqs == (0,)  # again: SDPA builds its graph
+    assert ask(rule, mixed_cu, mixed_lens, g).seqs == (1,)
     for q in (400, 500):  # two other shapes built: 300's graph is the least recently used
         for _ in range(2):
-            rule(np.array([0, q]), np.array([q + 1000]), g)
-    assert rule(mixed_cu, mixed_lens, g) is None
+            ask(rule, np.array([0, q]), np.array([q + 1000]), g)
+    assert ask(rule, mixed_cu, mixed_lens, g) is None
 
 
 def test_cuda_rule_keeps_a_shape_per_layout():
@@ -480,11 +497,11 @@ def test_cuda_rule_keeps_a_shape_per_layout():
     cu, lens = np.array([0, 512]), np.array([4096])
     run = np.arange(3, 3 + 256, dtype=np.int32)[None]
     scattered = run[:, ::-1].copy()
-    assert rule(cu, lens, g, run) is None
-    assert rule(cu, lens, g, run).seqs == (0,)
-    assert rule(cu, lens, g, scattered) is None
-    assert rule(cu, lens, g) is not None  # the same gathered layout
-    assert rule(np.array([0, 512, 513]), np.array([4096, 40]), g, np.vstack([run, run])).seqs \
+    assert ask(rule, cu, lens, g, run) is None
+    assert ask(rule, cu, lens, g, run).seqs == (0,)
+    assert ask(rule, cu, lens, g, scattered) is None
+    assert ask(rule, cu, lens, g) is not None  # the same gathered layout
+    assert ask(rule, np.array([0, 512, 513]), np.array([4096, 40]), g, np.vstack([run, run])).seqs \
         == (0,)  # a mixed batch: its run's graph is built
 
 
@@ -499,7 +516,7 @@ def test_cuda_split_chunking(kind, q_len, ctx, splits):
     g = Geometry(32, 8, 128, 16, mx.bfloat16, 128 ** -0.5)
     attention = (cuda_attention.CudaPagedAttention() if kind == "mma" else
                  hopper_attention.HopperPagedAttention())
-    tiles = attention.plan(np.array([0, q_len]), np.array([q_len + ctx]), g).tiles
+    tiles = plan_of(attention, np.array([0, q_len]), np.array([q_len + ctx]), g).tiles
     work = tiles.work_host
     assert int(work[:, tile_plan.NUM_SPLITS].max()) == splits
     per_sm, min_tiles = cuda_attention.SPLIT_ITEMS_PER_SM, attention.split_min_kv_tiles_for(g)
@@ -517,8 +534,8 @@ def test_hopper_split_chunking_is_the_wgmma_kernels_own():
                                (128, hopper_attention.SPLIT_MIN_KV_TILES)):
         g = Geometry(32, 8, head_dim, 16, mx.bfloat16, head_dim ** -0.5)
         assert hopper.split_min_kv_tiles_for(g) == expected
-        plan = hopper.plan(np.array([0, 16]), np.array([16 + 1024]), g, block_m=64)
-        mma = cuda_attention.CudaPagedAttention().plan(np.array([0, 16]), np.array([16 + 1024]),
+        plan = plan_of(hopper, np.array([0, 16]), np.array([16 + 1024]), g, block_m=64)
+        mma = plan_of(cuda_attention.CudaPagedAttention(), np.array([0, 16]), np.array([16 + 1024]),
                                                        g, block_m=64)
         assert (plan.tiles.num_items == mma.tiles.num_items) == (head_dim == 64)
 
@@ -529,10 +546,10 @@ def test_cuda_128_row_tiles_take_32_row_warps_where_measured(head_dim, warp_m):
     eight of 16 elsewhere; 64-row plans always four of 16."""
     g = Geometry(32, 8, head_dim, 16, mx.bfloat16, head_dim ** -0.5)
     attention = cuda_attention.CudaPagedAttention(lambda **_: None)
-    big = attention.plan(np.array([0, 4096]), np.array([4096]), g)
+    big = plan_of(attention, np.array([0, 4096]), np.array([4096]), g)
     assert (big.block_m, big.warp_m, big.launch["threadgroup"][0]) == (128, warp_m,
                                                                        32 * 128 // warp_m)
-    small = attention.plan(np.array([0, 16]), np.array([4096]), g)
+    small = plan_of(attention, np.array([0, 16]), np.array([4096]), g)
     assert (small.block_m, small.warp_m, small.launch["threadgroup"][0]) == (64, 16, 128)
 
 
@@ -554,15 +571,16 @@ def test_cuda_launches_of_a_split_plan_run_in_order():
     g = Geometry(8, 2, 64, 16, mx.bfloat16, 0.125)
     attention = cuda_attention.CudaPagedAttention(factory)
     cache, table = mx.zeros((300, 16, 2, 64), mx.bfloat16), mx.zeros((1, 256), mx.int32)
-    split = attention.plan(np.array([0, 1]), np.array([4096]), g)
-    whole = attention.plan(np.array([0, 64]), np.array([64]), g)
+    lengths = (Lengths.of(np.array([0, 1]), np.array([4096])),
+               Lengths.of(np.array([0, 64]), np.array([64])))
+    split, whole = (attention.plan(n, g, table) for n in lengths)
     assert split.tiles.num_slots and not whole.tiles.num_slots
     sets = cuda_attention.COUNTER_SETS
     assert sets > 1 and len(split.order.counters) == sets and len(whole.order.counters) == 1
     launches = 2 * sets + 1
     for plan in [split] * launches + [whole] * 2:
         q = mx.zeros((int(plan.lengths.num_tokens), 8, 64), mx.bfloat16)
-        attention.launch(q, cache, cache, table, plan)
+        attention.launch(q, cache, cache, plan)
     for i, (inputs, _) in enumerate(calls[:launches]):
         counters, after = inputs[-2:]
         assert counters is split.order.counters[i % sets]
@@ -577,7 +595,7 @@ def test_cuda_launches_of_a_split_plan_run_in_order():
         odd = Geometry(8, 2, 64, 16, mx.bfloat16, bad)
         assert "scale" in attention.unsupported_reason(odd)  # auto takes another path
         with pytest.raises(ValueError, match="scale"):
-            attention.plan(np.array([0, 1]), np.array([40]), odd)
+            plan_of(attention, np.array([0, 1]), np.array([40]), odd)
         with pytest.raises(ValueError, match="scale"):
             cuda_attention.qk_scale_bits(bad)
 
@@ -588,13 +606,13 @@ def test_cuda_forced_tile_height_is_planned_or_refused():
     g = Geometry(8, 2, 64, 16, mx.bfloat16, 0.125)
     attention = cuda_attention.CudaPagedAttention(lambda **_: None)
     decode = (np.array([0, 1, 2]), np.array([4096, 300]))
-    assert attention.plan(*decode, g).block_m == 64  # chosen: too few rows for 128
-    forced = attention.plan(*decode, g, block_m=np.int64(128))
+    assert plan_of(attention, *decode, g).block_m == 64  # chosen: too few rows for 128
+    forced = plan_of(attention, *decode, g, block_m=np.int64(128))
     assert forced.block_m == 128 and type(forced.block_m) is int
     assert forced.tiles.num_slots == 0
     for bad in (32, 0, "128", 64.0, True):
         with pytest.raises(ValueError, match="block_m"):
-            attention.plan(*decode, g, block_m=bad)
+            plan_of(attention, *decode, g, block_m=bad)
 
 
 @pytest.mark.skipif(emulated_metal_kernel is None, reason="no Metal emulation")
@@ -602,9 +620,9 @@ def test_metal_has_one_tile_height_and_refuses_others():
     g = Geometry(8, 2, 64, 16, mx.float16, 0.125)
     attention = metal_backend(emulated_metal_kernel).attention
     assert attention.tile_rows(g) == (32,)
-    assert attention.plan(np.array([0, 3]), np.array([40]), g, block_m=32).tiles.num_tiles
+    assert plan_of(attention, np.array([0, 3]), np.array([40]), g, block_m=32).tiles.num_tiles
     with pytest.raises(ValueError, match="block_m"):
-        attention.plan(np.array([0, 3]), np.array([40]), g, block_m=64)
+        plan_of(attention, np.array([0, 3]), np.array([40]), g, block_m=64)
 
 
 @pytest.mark.parametrize("backend", GPU_BACKENDS)
@@ -617,7 +635,7 @@ def test_first_use_check_builds_every_tile_height(backend):
     kernels = get_backend(backend)
     g = Geometry(32, 8, 64, 16, mx.bfloat16, 0.125)
     kernels.attention._kernels.clear()
-    assert canary.check_attention(kernels, g) is None
+    assert canary.check(kernels.attention, g) is None
     if backend.startswith("cuda"):  # keyed (dtype, head_dim, group, block, block_m, warp_m)
         assert {key[4] for key in kernels.attention._kernels} == {64, 128}
     else:  # one height; keyed (kind, ...)
@@ -630,7 +648,7 @@ def test_cuda_rule_forgets_shapes_as_mlx_evicts_their_graphs(monkeypatch):
     g = Geometry(32, 8, 128, 16, mx.bfloat16, 128 ** -0.5)
 
     def ask(rule, q):
-        return rule(np.array([0, q]), np.array([q + 100]), g) is not None
+        return rule(Lengths.of(np.array([0, q]), np.array([q + 100])), g, {}) is not None
     monkeypatch.setenv("MLX_CUDA_SDPA_CACHE_SIZE", "3")
     rule = rules.CudaSdpaRule()
     assert rule.capacity == 3
@@ -656,7 +674,7 @@ def test_metal_rule_leaves_the_kernel_only_for_long_fresh_prompts(q_lens, ctx_le
     cu = np.concatenate([[0], np.cumsum(q_lens)])
     lens = np.array(q_lens) + np.array(ctx_lens)
     g = Geometry(32, 8, 128, 16, mx.bfloat16, 128 ** -0.5)
-    pick = rules.metal_prefers_sdpa(cu, lens, g)
+    pick = rules.metal_prefers_sdpa(Lengths.of(cu, lens), g, {})
     assert (pick.seqs if pick else ()) == sdpa
 
 
@@ -694,10 +712,9 @@ def test_hopper_kernel_launch_contract():
                                                       precompiled_kernel=stand_ins.precompiled)
     c = PagedCase([16, 1], [1500, 700], 32, 8, 128, 16, mx.bfloat16)
     g = Geometry(32, 8, 128, 16, mx.bfloat16, 128 ** -0.5)
-    plan = attention.plan(c.cu_seqlens_q, c.seq_lens, g)
+    _, plan = c.attend(attention, g)
     assert plan.block_m == 64 and attention.tile_rows(g) == (64,) and plan.tiles.num_slots
-    for _ in range(2):
-        attention(c.q, c.k_cache, c.v_cache, c.block_tables, plan)
+    attention.run(c.q, c.k_new, c.v_new, c.k_cache, c.v_cache, plan)
     assert [arch for _, arch in compiled] == ["sm_90a"] and built == []
     kw = launched[0]
     assert kw["name"] == compiled[0][0] and kw["compiled_source"] == b"cubin"
@@ -706,11 +723,10 @@ def test_hopper_kernel_launch_contract():
     assert kw["ensure_row_contiguous"] and kw["shared_memory"] >= 2 * 2 * 64 * 128 * 2 + 1024
     assert len(kw["inputs"]) == 7 and kw["inputs"][5] is not launched[1]["inputs"][5]  # sets
     with pytest.raises(ValueError, match="block_m"):
-        attention.plan(c.cu_seqlens_q, c.seq_lens, g, block_m=128)
+        attention.plan(c.lengths, g, c.block_tables, block_m=128)
     c64 = PagedCase([5], [40], 8, 2, 64, 16, mx.bfloat16)
     g64 = Geometry(8, 2, 64, 16, mx.bfloat16, 0.125)
-    plan64 = attention.plan(c64.cu_seqlens_q, c64.seq_lens, g64, block_m=128)
-    attention(c64.q, c64.k_cache, c64.v_cache, c64.block_tables, plan64)
+    c64.attend(attention, g64, block_m=128)
     assert len(built) == 1 and "_m128_" in built[0] and len(launched) == 2
 
 

@@ -4,7 +4,7 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from jit_kernels.support import device_array
+from jit_kernels.arrays import device_array
 from paged_prefix.metadata import ScheduledRequest, build_attention_metadata, build_batch_metadata
 from paged_prefix.validate import index_dtype
 

@@ -18,8 +18,8 @@ import pytest
 from jit_kernels import metal_backend
 from jit_kernels import metal_paged_attention as metal_attention
 from jit_kernels import plan as tile_plan
+from jit_kernels.geometry import BLOCK_SIZES, MAX_GROUP, Geometry
 from jit_kernels.page_gather import plan_gather
-from jit_kernels.support import BLOCK_SIZES, MAX_GROUP, Geometry
 from tests.conftest import TOLERANCES, PagedCase, assert_close
 from tests.metal_emu import KernelError, build, metal_kernel
 from tests.metal_emu.source import mlx_printed_source
@@ -32,9 +32,8 @@ DTYPES = {"fp16": mx.float16, "bf16": mx.bfloat16}
 def run_attention(case: PagedCase, g: Geometry, kernel_factory=metal_kernel):
     """The Metal backend's paged attention with its kernels built by `kernel_factory` (the
     emulation, or a compile-only or mutated stand-in): the one place that knows its API."""
-    attention = metal_backend(kernel_factory).attention
-    plan = attention.plan(case.cu_seqlens_q, case.seq_lens, g)
-    return attention(case.q, case.k_cache, case.v_cache, case.block_tables, plan), plan.tiles
+    out, plan = case.attend(metal_backend(kernel_factory).attention, g)
+    return out, plan.tiles
 
 
 def run_gather(case: PagedCase, g: Geometry, kernel_factory=metal_kernel):
@@ -42,8 +41,8 @@ def run_gather(case: PagedCase, g: Geometry, kernel_factory=metal_kernel):
     seqs = list(range(len(case.seq_lens)))
     plan = plan_gather(case.seq_lens, seqs, g.block_size, g.num_kv_heads, g.head_dim,
                        g.dtype)
-    gathered = metal_backend(kernel_factory).gather(case.k_cache, case.v_cache, case.block_tables,
-                                                    plan)
+    gathered = metal_backend(kernel_factory).gathered.gather.launch(
+        case.k_cache, case.v_cache, case.block_tables, plan)
     return [tuple(x.reshape(-1, *x.shape[-2:]) for x in pair) for pair in gathered]
 
 
@@ -256,7 +255,6 @@ def test_canary_catches_a_broken_metal_kernel(bug, strict, monkeypatch, caplog):
     from paged_prefix import dispatch
     from paged_prefix.metadata import build_attention_metadata
 
-    monkeypatch.setattr(dispatch, "_VERDICTS", {})
     backend = metal_backend(mutated(*PLANTED_BUGS[bug][0]))
     d = dispatch.Dispatcher("auto", backends={"metal": backend}, strict=strict)
     case = PagedCase([9, 1], [40, 70], 8, 2, 64, 16, mx.float16, seed=4)
@@ -268,9 +266,10 @@ def test_canary_catches_a_broken_metal_kernel(bug, strict, monkeypatch, caplog):
         return
     with caplog.at_level("WARNING", logger="paged_prefix.dispatch"):
         attention = d.plan(meta, g)
-    assert attention.choice.path == "reference" and "first-use check" in attention.choice.reason
-    assert any("metal attention kernel for dtype=float16 head_dim=64 group=4 block=16" in
+    assert attention.route.path == "reference" and "first-use check" in attention.route.reason
+    assert any("metal paged kernel for dtype=float16 head_dim=64 group=4 block=16" in
                r.getMessage() for r in caplog.records)
+    attention.check(case.q, case.k_new, case.v_new, case.k_cache, case.v_cache)
     out = attention(case.q, case.k_new, case.v_new, case.k_cache, case.v_cache)
     assert_close(out, case.oracle(0.125), mx.float16)
     assert d.counts == {"reference": 1}
@@ -281,11 +280,11 @@ def test_dispatcher_runs_the_checked_metal_kernel(monkeypatch):
     from paged_prefix import dispatch
     from paged_prefix.metadata import build_attention_metadata
 
-    monkeypatch.setattr(dispatch, "_VERDICTS", {})
     d = dispatch.Dispatcher("auto", backends={"metal": metal_backend(metal_kernel)}, strict=True)
     case = PagedCase([9, 1], [40, 70], 8, 2, 64, 16, mx.float16, seed=4)
     meta = build_attention_metadata([9, 1], [40, 70], case.pages, 16, case.num_blocks)
     attention = d.plan(meta, Geometry(8, 2, 64, 16, mx.float16, 0.125))
+    attention.check(case.q, case.k_new, case.v_new, case.k_cache, case.v_cache)
     out = attention(case.q, case.k_new, case.v_new, case.k_cache, case.v_cache)
-    assert attention.choice.path == "metal" and d.counts == {"metal": 1}
+    assert attention.route.path == "metal" and d.counts == {"metal": 1}
     assert_close(out, case.oracle(0.125), mx.float16)

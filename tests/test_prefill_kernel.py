@@ -16,23 +16,19 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from jit_kernels import KernelBackend, available_backends, rules
+from jit_kernels import GatheredSdpa, KernelBackend, available_backends
 from jit_kernels import hopper_prefill_attention as prefill_attention
 from jit_kernels import plan as tile_plan
-from jit_kernels.contiguous_sdpa import plan_sdpa
-from jit_kernels.support import Geometry
-from paged_prefix import dispatch
+from jit_kernels.geometry import Geometry
+from paged_prefix import rules
 from paged_prefix.dispatch import Dispatcher
 from paged_prefix.metadata import build_attention_metadata
-from tests.conftest import HAS_WGMMA, CubinStandIns, PagedCase, assert_close
-from tests.test_dispatch import CountingAttention, FakeAttention, FakeGather
+from paged_prefix.route import Source
+from tests.conftest import HAS_WGMMA, CubinStandIns, PagedCase, assert_close, plan_of
+from tests.test_dispatch import FakeAttention, FakeGather
+from tests.test_kernels import ask
 
 G128 = Geometry(32, 8, 128, 16, mx.bfloat16, 128 ** -0.5)
-
-
-@pytest.fixture(autouse=True)
-def fresh_verdicts(monkeypatch):
-    monkeypatch.setattr(dispatch, "_VERDICTS", {})
 
 
 def hopper(test):
@@ -63,13 +59,12 @@ def test_launch_contract():
     kernel = prefill_attention.HopperPrefillAttention(stand_ins.compile, stand_ins.precompiled,
                                                       maps)
     c = PagedCase([300, 5], [1500, 700], 32, 8, 128, 16, mx.bfloat16)
-    plan = kernel.plan(c.cu_seqlens_q, c.seq_lens, G128)
+    out, plan = c.attend(kernel, G128)
     work = plan.tiles.work_host
     assert not plan.tiles.num_slots and (work[:, tile_plan.KV_START] == 0).all()  # unsplit
     assert plan.tiles.num_items == (10 + 1) * 8  # 128 rows: 32 tokens of group 4, 8 kv heads
-    for _ in range(2):
-        out = kernel(c.q, c.k_cache, c.v_cache, c.block_tables, plan)
-        assert out.shape == c.q.shape and out.dtype == c.q.dtype
+    assert out.shape == c.q.shape and out.dtype == c.q.dtype
+    kernel.run(c.q, c.k_new, c.v_new, c.k_cache, c.v_cache, plan)
     assert [arch for _, arch in compiled] == ["sm_90a"]
     assert encoded == [(c.num_blocks * 16, 16, 8)]
     kw = launched[0]
@@ -77,7 +72,7 @@ def test_launch_contract():
     assert kw["grid"] == (plan.tiles.num_items * 384, 1, 1) and kw["threadgroup"] == (384, 1, 1)
     assert kw["scalars"] == [32, c.block_tables.shape[1]] and kw["ensure_row_contiguous"]
     assert kw["shared_memory"] == 2 * 3 * 128 * 128 * 2 + 1024 and len(kw["inputs"]) == 6
-    some = kernel.plan(c.cu_seqlens_q, c.seq_lens, G128, seqs=[1])
+    some = kernel.plan(c.lengths, G128, c.block_tables, seqs=[1])
     assert set(some.tiles.work_host[:, tile_plan.SEQ].tolist()) == {1}
 
 
@@ -93,7 +88,7 @@ def test_unsupported_geometry_is_refused_with_the_reason(change, match):
                            dtype=mx.bfloat16, scale=0.1), **change})
     assert match in kernel.unsupported_reason(g)
     with pytest.raises(ValueError, match=match):
-        kernel.plan(np.array([0, 4]), np.array([9]), g)
+        plan_of(kernel, np.array([0, 4]), np.array([9]), g)
 
 
 class Supports:
@@ -120,15 +115,15 @@ def test_rule_hands_cached_long_suffixes_to_the_prefill_kernel(q_lens, ctx_lens,
     lens = np.array(q_lens) + np.array(ctx_lens)
     rule = rules.CudaSdpaRule(prefill=Supports())
     for want in (first, then):
-        pick = rule(cu, lens, G128)
+        pick = ask(rule, cu, lens, G128)
         assert (pick.prefill if pick else ()) == want
         if want:
             assert set(want) <= set(pick.seqs) and "prefill kernel" in pick.reason
     long = tuple(s for s, q in enumerate(q_lens) if q >= rules.CUDA_SDPA_MIN_Q)
     assert pick.seqs == long  # the second time: every long prefill leaves the paged kernel
-    assert rules.CudaSdpaRule()(cu, lens, G128) is None  # no prefill kernel: as before
+    assert ask(rules.CudaSdpaRule(), cu, lens, G128) is None  # no prefill kernel: as before
     other = Geometry(32, 8, 64, 16, mx.bfloat16, 0.125)  # a geometry it does not support
-    assert rule(cu, lens, other) is None
+    assert ask(rule, cu, lens, other) is None
 
 
 def test_rule_reads_a_run_of_pages_in_place_once_its_graph_is_built():
@@ -139,22 +134,37 @@ def test_rule_reads_a_run_of_pages_in_place_once_its_graph_is_built():
     rule = rules.CudaSdpaRule(prefill=Supports())
     cu, lens = np.array([0, 512]), np.array([4608])
     run = np.arange(3, 3 + 288, dtype=np.int32)[None]
-    assert rule(cu, lens, G128, run).prefill == (0,)
-    pick = rule(cu, lens, G128, run)
+    assert ask(rule, cu, lens, G128, run).prefill == (0,)
+    pick = ask(rule, cu, lens, G128, run)
     assert pick.seqs == (0,) and pick.prefill == ()
-    assert rule(cu, lens, G128, run[:, ::-1].copy()).prefill == (0,)
-    mixed = rule(np.array([0, 1, 513, 1213, 1813]), np.array([90, 4608, 1400, 600]), G128)
+    assert ask(rule, cu, lens, G128, run[:, ::-1].copy()).prefill == (0,)
+    mixed = ask(rule, np.array([0, 1, 513, 1213, 1813]), np.array([90, 4608, 1400, 600]), G128)
     assert (mixed.seqs, mixed.prefill) == ((1, 2), (1, 2))  # 700 over 700, 600 uncached
 
 
-def fake_rule(cu, lens, g, tables):
+def fake_rule(lengths, g, runs):
     """The CUDA rule's prefill choice at a test's size: prefills of >= 8 tokens leave the
     paged kernel, those over a prefix of 4x go to the prefill kernel."""
-    q = np.diff(cu)
+    q, lens = lengths.q_lens, lengths.seq_lens
     seqs = tuple(int(s) for s in np.flatnonzero(q >= 8))
     if not seqs:
         return None
     return rules.SdpaPick(seqs, "long", tuple(s for s in seqs if lens[s] - q[s] >= 4 * q[s]))
+
+
+class FakePrefill(FakeAttention):
+    name = "fake prefill"
+
+    def canary_plannings(self, g):
+        return ({},)
+
+    def plan(self, lengths, g, block_tables, seqs=None):
+        return super().plan(lengths, g, block_tables, seqs)
+
+
+def prefill_backend(prefill=None):
+    return KernelBackend("fake", FakeAttention(), GatheredSdpa(FakeGather()),
+                         prefill or FakePrefill())
 
 
 def _run(d, q_lens, ctx, seed=0):
@@ -162,52 +172,41 @@ def _run(d, q_lens, ctx, seed=0):
     meta = build_attention_metadata(list(q_lens), list(ctx), c.pages, 16, c.num_blocks)
     g = Geometry(8, 2, 64, 16, mx.float16, 0.125)
     attention = d.plan(meta, g)
-    out = attention(c.q, c.k_new, c.v_new, c.k_cache, c.v_cache)
-    assert_close(out, c.oracle(0.125), mx.float16)
-    attention(c.q, c.k_new, c.v_new, c.k_cache, c.v_cache)  # the unchecked launch
-    return attention.choice
+    args = (c.q, c.k_new, c.v_new, c.k_cache, c.v_cache)
+    attention.check(*args)
+    for _ in range(2):
+        assert_close(attention(*args), c.oracle(0.125), mx.float16)
+    return attention.route
 
 
 @pytest.mark.parametrize("q_lens,ctx,path,sdpa_seqs,prefill_seqs", [
     ([9], [40], "sdpa", (), (0,)),                    # one sequence: the kernel alone
-    ([9, 12], [40, 20], "sdpa", (), (0,)),            # and SDPA (gathered) beside it
-    ([9, 1, 3], [40, 30, 0], "mixed", (0,), (0,)),    # beside the paged kernel's rows
-    ([1, 12, 9, 2], [7, 0, 80, 16], "mixed", (1, 2), (2,)),
+    ([9, 12], [40, 20], "sdpa", (1,), (0,)),          # and SDPA (gathered) beside it
+    ([9, 1, 3], [40, 30, 0], "mixed", (), (0,)),      # beside the paged kernel's rows
+    ([1, 12, 9, 2], [7, 0, 80, 16], "mixed", (1,), (2,)),
 ])
 def test_dispatcher_runs_the_prefill_kernel_for_the_rules_sequences(q_lens, ctx, path,
                                                                     sdpa_seqs, prefill_seqs):
-    prefill = CountingAttention()
-    backend = KernelBackend("fake", CountingAttention(), FakeGather(), fake_rule, prefill)
-    d = Dispatcher("auto", backends={"fake": backend}, strict=True)
-    choice = _run(d, q_lens, ctx)
-    assert (choice.path, choice.prefill_seqs) == (path, prefill_seqs)
-    if path == "mixed":
-        assert choice.sdpa_seqs == sdpa_seqs
-    assert "prefill" in choice.components() and choice.backend == "fake"
-    assert prefill.planned[-1] == list(prefill_seqs)  # the forward's plan: its sequences only
-    assert "read by the prefill kernel" in d.last_sources
+    backend = prefill_backend()
+    d = Dispatcher("auto", backends={"fake": backend}, strict=True, rule_of=lambda b: fake_rule)
+    chosen = _run(d, q_lens, ctx)
+    assert (chosen.path, chosen.seqs(Source.PREFILL)) == (path, prefill_seqs)
+    assert chosen.seqs(Source.NEW_ROWS, Source.IN_PLACE, Source.GATHERED) == sdpa_seqs
+    assert chosen.backend == "fake"
+    assert backend.prefill.planned[-1] == prefill_seqs  # the forward's plan: its sequences only
+    assert "prefill kernel" in chosen.summary()
 
 
 def test_a_failing_prefill_kernel_is_caught_by_the_canary(caplog):
     """Its first use is checked like every kernel's: strict raises, auto logs and falls back."""
-    broken = FakeAttention(error=0.02)
-    backend = KernelBackend("fake", FakeAttention(), FakeGather(), fake_rule, broken)
-    with pytest.raises(RuntimeError, match="fake prefill kernel"):
-        _run(Dispatcher("auto", backends={"fake": backend}, strict=True), [9], [40])
-    dispatch._VERDICTS.clear()
+    with pytest.raises(RuntimeError, match="fake prefill for"):
+        _run(Dispatcher("auto", backends={"fake": prefill_backend(FakePrefill(error=0.02))},
+                        strict=True, rule_of=lambda b: fake_rule), [9], [40])
     with caplog.at_level(logging.WARNING, logger="paged_prefix.dispatch"):
-        choice = _run(Dispatcher("auto", backends={"fake": backend}, strict=False), [9], [40])
-    assert choice.path == "reference" and "prefill kernel" in choice.reason
-    assert "fake prefill kernel" in caplog.text
-
-
-def test_plan_refuses_prefill_sequences_it_cannot_run():
-    g = Geometry(8, 2, 64, 16, mx.float16, 0.125)
-    cu, lens = np.array([0, 9, 12]), np.array([49, 3])
-    with pytest.raises(ValueError, match="prefill_seqs"):
-        plan_sdpa(cu, lens, g, prefill_seqs=(1,), prefill_kernel=FakeAttention())  # uncached
-    with pytest.raises(ValueError, match="prefill_seqs"):
-        plan_sdpa(cu, lens, g, prefill_seqs=(0,))  # no kernel
+        chosen = _run(Dispatcher("auto", backends={"fake": prefill_backend(
+            FakePrefill(error=0.02))}, strict=False, rule_of=lambda b: fake_rule), [9], [40])
+    assert chosen.path == "reference" and "fake prefill failed" in chosen.reason
+    assert "fake prefill" in caplog.text
 
 
 # -- on a Hopper GPU ------------------------------------------------------------------------
@@ -217,8 +216,7 @@ def _check_kernel(q_lens, ctx_lens, group=4, num_kv_heads=8, block_size=16, dtyp
     g = Geometry(group * num_kv_heads, num_kv_heads, 128, block_size, dtype, 128 ** -0.5)
     c = PagedCase(q_lens, ctx_lens, g.num_heads, num_kv_heads, 128, block_size, dtype, seed=seed)
     kernel = available_backends()["cuda"].prefill
-    plan = kernel.plan(c.cu_seqlens_q, c.seq_lens, g, seqs=seqs)
-    out = kernel(c.q, c.k_cache, c.v_cache, c.block_tables, plan)
+    out, plan = c.attend(kernel, g, seqs=seqs)
     want = c.oracle(g.scale)
     rows = np.concatenate([np.arange(c.cu_seqlens_q[s], c.cu_seqlens_q[s + 1])
                            for s in (range(len(q_lens)) if seqs is None else seqs)])
@@ -256,9 +254,9 @@ def test_a_long_prefix():
 @hopper
 def test_repeated_calls_are_bitwise_equal_and_caches_as_stored_read_alike():
     out, kernel, c, plan = _check_kernel([512], [4096])
-    again = kernel(c.q, c.k_cache, c.v_cache, c.block_tables, plan)
+    again = kernel.run(c.q, c.k_new, c.v_new, c.k_cache, c.v_cache, plan)
     words = [x.view(mx.uint32).reshape(-1, 8, 64) for x in (c.k_cache, c.v_cache)]
-    stored = kernel(c.q, *words, c.block_tables, plan)
+    stored = kernel.run(c.q, c.k_new, c.v_new, *words, plan)
     assert mx.array_equal(out, again).item() and mx.array_equal(out, stored).item()
 
 
@@ -270,8 +268,9 @@ def test_the_dispatcher_picks_it_on_the_real_backend(caplog):
     d = Dispatcher("auto", strict=True)
     with caplog.at_level(logging.INFO, logger="paged_prefix.dispatch"):
         attention = d.plan(meta, G128)
-    assert (attention.choice.path, attention.choice.prefill_seqs) == ("sdpa", (0,))
+    assert (attention.route.path, attention.route.seqs(Source.PREFILL)) == ("sdpa", (0,))
+    attention.check(c.q, c.k_new, c.v_new, c.k_cache, c.v_cache)
     out = attention(c.q, c.k_new, c.v_new, c.k_cache, c.v_cache)
     assert_close(out, c.oracle(G128.scale), mx.bfloat16)
-    assert "prefill kernel" in caplog.text and d.last_sources.endswith("read by the prefill kernel")
+    assert "prefill kernel" in caplog.text and attention.route.summary() == "1 prefill kernel"
 

@@ -12,8 +12,8 @@ import numpy as np
 import pytest
 
 import reference
-from jit_kernels.contiguous_sdpa import plan_sdpa, sdpa_attention
-from jit_kernels.support import Geometry
+from jit_kernels.geometry import Geometry
+from paged_prefix.dispatch import Dispatcher
 from tests.conftest import PagedCase, assert_close
 
 CHUNKS, PER_CHUNK = 12, 100
@@ -48,7 +48,5 @@ def test_random_layouts_match_float64_oracle(path, chunk):
         else:
             g = Geometry(case["num_heads"], case["num_kv_heads"], case["head_dim"],
                          case["block_size"], case["dtype"], scale)
-            out = sdpa_attention(c.q, c.k_new, c.v_new, c.k_cache, c.v_cache, c.block_tables,
-                                 plan_sdpa(c.cu_seqlens_q, c.seq_lens, g,
-                                           block_tables=c.tables))
+            out = c.forward(Dispatcher("sdpa", backends={}), g)
         assert_close(out, c.oracle(scale), case["dtype"], f"{path} {case}", case["q_scale"])

@@ -7,8 +7,10 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import reference
-from jit_kernels.contiguous_sdpa import plan_sdpa, sdpa_attention
-from jit_kernels.support import Geometry, Lengths
+from jit_kernels import ContiguousSdpa
+from jit_kernels.geometry import Geometry, Lengths
+from paged_prefix.dispatch import Dispatcher
+from paged_prefix.route import Source
 from tests.conftest import DTYPES, PagedCase, assert_close
 
 NUM_KV_HEADS = 2
@@ -46,8 +48,7 @@ def test_sdpa_path_equals_reference(dtype):
     """New rows for uncached sequences, MLX-gathered pages for the others: the same numbers."""
     c = PagedCase([9, 1, 30, 4], [40, 70, 0, 0], 8, 2, 64, 16, dtype, seed=6)
     g = Geometry(8, 2, 64, 16, dtype, 0.125)
-    out = sdpa_attention(c.q, c.k_new, c.v_new, c.k_cache, c.v_cache, c.block_tables,
-                         plan_sdpa(c.cu_seqlens_q, c.seq_lens, g))
+    out = c.forward(Dispatcher("sdpa", backends={}), g)
     np.testing.assert_array_equal(np.array(out.astype(mx.float32)),
                                   np.array(run_reference(c, 0.125).astype(mx.float32)))
 
@@ -61,10 +62,7 @@ def test_sdpa_path_reads_runs_of_pages_in_place(dtype, monkeypatch):
     c = PagedCase([9, 1, 30, 4, 16], [40, 70, 0, 0, 33], 8, 2, 64, 16, dtype, seed=6,
                   runs=[True, False, True, True, True])
     g = Geometry(8, 2, 64, 16, dtype, 0.125)
-    plan = plan_sdpa(c.cu_seqlens_q, c.seq_lens, g, block_tables=c.tables)
-    assert plan.gather.seqs == (1,)  # 2 and 3 have nothing cached, 0 and 4 are runs
-    assert [type(source) for *_, source in plan.rows] == [slice, int, type(None), type(None),
-                                                          slice]
+    d = Dispatcher("sdpa", backends={})
     gathered = []
     monkeypatch.setattr(reference, "gather_kv",
                         lambda *a, gather_kv=reference.gather_kv: gathered.append(a[3])
@@ -73,26 +71,28 @@ def test_sdpa_path_reads_runs_of_pages_in_place(dtype, monkeypatch):
     gathered.clear()
     stored = [x.reshape(-1, 2, 64).view(mx.uint32) for x in (c.k_cache, c.v_cache)]
     for k_cache, v_cache in ((c.k_cache, c.v_cache), stored):
-        out = sdpa_attention(c.q, c.k_new, c.v_new, k_cache, v_cache, c.block_tables, plan)
+        out = c.forward(d, g, k_cache, v_cache)
         assert_close(out, c.oracle(0.125), dtype)
         if mx.default_device() == mx.cpu:
             np.testing.assert_array_equal(np.array(out.astype(mx.float32)), want)
-    assert gathered == [int(c.seq_lens[1])] * 2  # one gather per call: sequence 1's
+    # 2 and 3 have nothing cached, 0 and 4 are runs: only 1 is gathered, once per call
+    assert d.last.sources == (Source.IN_PLACE, Source.GATHERED, Source.NEW_ROWS,
+                              Source.NEW_ROWS, Source.IN_PLACE)
+    assert gathered == [int(c.seq_lens[1])] * 2
     with pytest.raises(ValueError, match="block_tables: the plan reads cache rows"):
-        sdpa_attention(c.q, c.k_new, c.v_new, c.k_cache[:-2], c.v_cache[:-2], c.block_tables,
-                       plan)
+        c.forward(d, g, c.k_cache[:-2], c.v_cache[:-2])
 
 
-@pytest.mark.parametrize("table, match", [
-    (np.zeros((2, 9), dtype=np.int32), "host \\[5, max_blocks\\] integer table"),
-    (np.zeros((5, 9), dtype=np.float32), "host \\[5, max_blocks\\] integer table"),
-    (np.zeros((5, 3), dtype=np.int32), "sequence 0 holds 49 tokens and needs 4 blocks"),
+@pytest.mark.parametrize("first_blocks, match", [
+    ({2: 0}, "sequences \\[2\\] are not planned"),
+    ({}, "sequences \\[0, 1, 4\\] .* no run of blocks"),
 ])
-def test_sdpa_plan_refuses_a_bad_block_table(table, match):
+def test_sdpa_in_place_plan_refuses_what_it_cannot_read(first_blocks, match):
+    """Only planned sequences read in place, and every planned one with a cached prefix must."""
     c = PagedCase([9, 1, 30, 4, 16], [40, 70, 0, 0, 33], 8, 2, 64, 16, mx.float32, seed=6)
     with pytest.raises(ValueError, match=match):
-        plan_sdpa(c.cu_seqlens_q, c.seq_lens, Geometry(8, 2, 64, 16, mx.float32, 0.125),
-                  block_tables=table)
+        ContiguousSdpa().plan(c.lengths, Geometry(8, 2, 64, 16, mx.float32, 0.125),
+                              c.block_tables, (0, 1, 3, 4), first_blocks=first_blocks)
 
 
 def test_oracle_catches_a_wrong_page():

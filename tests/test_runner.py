@@ -23,6 +23,7 @@ from paged_prefix.dispatch import Dispatcher
 from paged_prefix.kv_cache import PagedKVCache
 from paged_prefix.metadata import ScheduledRequest, build_batch_metadata
 from paged_prefix.models import build_model, resolve_config
+from paged_prefix.route import SDPA_SOURCES
 from paged_prefix.runner import PagedModelRunner
 from tests.conftest import ATTENTION_PATHS, DTYPES, KERNEL_PATHS, ON_GPU
 
@@ -163,15 +164,14 @@ def test_mixed_batch_hits_fresh_and_decode_in_one_forward(model, path):
 def mixed_backend(name, monkeypatch):
     """`name`'s kernels with CUDA's length rule picking SDPA for every prefill of >= 30 tokens
     (a size a test model reaches), so a batch beside decode rows mixes paths."""
-    from jit_kernels import KernelBackend, available_backends, metal_backend, rules
+    from jit_kernels import KernelBackend, available_backends, metal_backend
 
     if name == "metal-emulated":
         from tests.metal_emu import metal_kernel
         real = metal_backend(metal_kernel)
     else:
         real = available_backends()[name]
-    monkeypatch.setattr(rules, "CUDA_SDPA_MIN_Q", 30)
-    return KernelBackend(real.name, real.attention, real.gather, rules.cuda_prefers_sdpa)
+    return KernelBackend(real.name, real.attention, real.gathered)  # its own first-use checks
 
 
 @pytest.mark.parametrize("backend", [
@@ -181,12 +181,13 @@ def test_mixed_path_runs_prefills_on_sdpa_and_decode_rows_on_the_kernel(model, b
                                                                          monkeypatch):
     """The batch of the test above through `auto` with a kernel backend: the hit and the fresh
     prompt go to SDPA, the decode row to the kernel, in one forward; logits match mlx-lm."""
-    from paged_prefix import dispatch
+    from paged_prefix import rules
 
-    monkeypatch.setattr(dispatch, "_VERDICTS", {})
+    monkeypatch.setattr(rules, "CUDA_SDPA_MIN_Q", 30)
     h = Harness(model, "reference", mx.float16)
-    h.runner.dispatcher = Dispatcher("auto", backends={backend: mixed_backend(backend, monkeypatch)},
-                                     strict=True)
+    h.runner.dispatcher = Dispatcher(
+        "auto", backends={backend: mixed_backend(backend, monkeypatch)}, strict=True,
+        rule_of=lambda b: lambda lengths, g, runs: rules.cuda_prefers_sdpa(lengths))
     shared = prompt_of(100, 48)
     p_dec, p_hit, p_new = shared + prompt_of(1, 9), shared + prompt_of(2, 30), prompt_of(3, 41)
     b_dec, b_new = h.blocks(80), h.blocks(41)
@@ -197,8 +198,8 @@ def test_mixed_path_runs_prefills_on_sdpa_and_decode_rows_on_the_kernel(model, b
     out = h.step(ScheduledRequest("dec", tokens, 57, 57, 1, b_dec),
                  ScheduledRequest("hit", p_hit, 78, 48, 30, b_hit),
                  ScheduledRequest("new", p_new, 41, 0, 41, b_new))
-    choice = h.runner.dispatcher.last
-    assert (choice.path, choice.sdpa_seqs) == ("mixed", (1, 2))
+    chosen = h.runner.dispatcher.last
+    assert (chosen.path, chosen.seqs(*SDPA_SOURCES)) == ("mixed", (1, 2))
     layers = h.cfg["num_hidden_layers"]
     assert h.runner.dispatcher.counts == {"sdpa": layers, "mixed": layers}
     h.assert_near(out["dec"], h.split_logits(tokens, [(0, 57), (57, 58)])[-1])

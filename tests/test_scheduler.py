@@ -5,8 +5,7 @@ prefix caching off — under chunking, preemption (tight block pools) and aborts
 import numpy as np
 import pytest
 
-from jit_kernels import contiguous_sdpa
-from paged_prefix import metadata
+from paged_prefix import metadata, route
 from paged_prefix.engine import Engine, EngineConfig
 
 BS = 16
@@ -62,13 +61,13 @@ def test_a_conversation_reads_its_history_in_place(monkeypatch):
     """With vLLM's allocator a lone conversation's blocks stay one run, turn after turn: the
     second turn's prefill reads its cached history in place (no gather), while a request that
     shares only the first turn's prefix gathers it; tokens as with caching off."""
-    planned = []  # per SDPA plan: (sequences with a cached prefix, those read in place)
-    page_runs = contiguous_sdpa.page_runs
+    planned = []  # per forward: (sequences with a cached prefix, those read in place)
+    page_runs = route.page_runs
 
-    def spy(table, lens, seqs, block_size):
-        planned.append((list(seqs), page_runs(table, lens, seqs, block_size)))
+    def spy(table, lengths, seqs, block_size):
+        planned.append((list(seqs), page_runs(table, lengths, seqs, block_size)))
         return planned[-1][1]
-    monkeypatch.setattr(contiguous_sdpa, "page_runs", spy)
+    monkeypatch.setattr(route, "page_runs", spy)
     rng = np.random.default_rng(3)
     first = rng.integers(3, 512, 200).tolist()
     engines = {c: Engine(EngineConfig(**{**BASE, "enable_prefix_caching": c})) for c in (0, 1)}

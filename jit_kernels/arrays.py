@@ -1,0 +1,68 @@
+"""Device arrays and cache views every executor shares, and the per-call shape check."""
+
+from __future__ import annotations
+
+import mlx.core as mx
+import numpy as np
+
+from reference import check_arrays
+
+from .geometry import Geometry, Lengths
+
+# MLX's CUDA allocator serves arrays of at most this many bytes from a managed-memory pool the
+# host writes into; on the H200 a threadblock's first read of one cost 2-15 us (docs/kernels.md,
+# "Host-written arrays"). A one-block table or a one-token step's ids are that small.
+SMALL_POOL_BYTES = 8
+
+
+def device_array(host: np.ndarray) -> mx.array:
+    """`host` on the device, never in MLX's small-array pool: an array of SMALL_POOL_BYTES or
+    fewer becomes a view of the start of a longer buffer (a contiguous slice, not a copy)."""
+    host = np.ascontiguousarray(host)
+    if host.nbytes > SMALL_POOL_BYTES:
+        return mx.array(host)
+    padded = np.zeros(SMALL_POOL_BYTES // host.itemsize + 1, dtype=host.dtype)
+    padded[:host.size] = host.ravel()
+    return mx.array(padded)[:host.size].reshape(host.shape)
+
+
+def as_pages(cache: mx.array, geometry: Geometry) -> mx.array:
+    """A cache array as [num_blocks, BS, Hkv, D] of the geometry's dtype, as a view of its
+    bytes: a `PagedKVCache` stores its rows as 4-byte words, [num_blocks * BS, Hkv, words]."""
+    g = geometry
+    if cache.dtype != g.dtype:
+        cache = cache.view(g.dtype)
+    if cache.ndim == 4 and cache.shape[1:] == (g.block_size, g.num_kv_heads, g.head_dim):
+        return cache
+    return cache.reshape(-1, g.block_size, g.num_kv_heads, g.head_dim)
+
+
+def as_rows(cache: mx.array, geometry: Geometry) -> mx.array:
+    """A cache array as [num_blocks * BS, Hkv, D] of the geometry's dtype: its token rows, as a
+    view of its bytes (the stored form, or pages)."""
+    g = geometry
+    if cache.dtype != g.dtype:
+        cache = cache.view(g.dtype)
+    if cache.ndim == 3 and cache.shape[1:] == (g.num_kv_heads, g.head_dim):
+        return cache
+    return cache.reshape(-1, g.num_kv_heads, g.head_dim)
+
+
+def check_call(name: str, geometry: Geometry, lengths: Lengths, q: mx.array, k: mx.array,
+               v: mx.array, k_cache: mx.array, v_cache: mx.array,
+               block_tables: mx.array) -> None:
+    """An executor's entry check (shapes only, no host sync): the contract, the new rows, then
+    the plan's geometry."""
+    pages = as_pages(k_cache, geometry)
+    check_arrays(q, pages, as_pages(v_cache, geometry), block_tables, lengths.num_tokens,
+                 lengths.num_seqs, lengths.max_seq_len)
+    want = (q.shape[0], pages.shape[2], pages.shape[3])
+    if k.shape != want or v.shape != want:
+        raise ValueError(f"k, v: new rows must be {want}, got {k.shape} and {v.shape}")
+    _, block_size, num_kv_heads, head_dim = pages.shape
+    got = (q.shape[1], num_kv_heads, head_dim, block_size, q.dtype)
+    planned = (geometry.num_heads, geometry.num_kv_heads, geometry.head_dim, geometry.block_size,
+               geometry.dtype)
+    if got != planned:
+        raise ValueError(f"{name}: q/k_cache (heads, kv heads, head_dim, block size, dtype) "
+                         f"{got} differ from the plan's {planned}")

@@ -1,0 +1,101 @@
+"""What a plan is built for: the call geometry, the batch's checked host lengths, and the rules
+every kernel shares (tensor-core dtypes, whole GQA groups per query tile, tested block sizes).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import mlx.core as mx
+import numpy as np
+
+from reference import check_lengths, host_ints
+
+DTYPES = (mx.float16, mx.bfloat16)
+BLOCK_SIZES = (8, 16, 32)
+MAX_GROUP = 8
+
+
+def dtype_name(dtype: mx.Dtype) -> str:
+    return str(dtype).split(".")[-1]
+
+
+@dataclass(frozen=True)
+class Geometry:
+    """The shape of one forward's attention calls."""
+
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    block_size: int
+    dtype: mx.Dtype
+    scale: float
+
+    def __post_init__(self):
+        for name in ("num_heads", "num_kv_heads", "head_dim", "block_size"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+                raise ValueError(f"{name}: expected a positive int, got {value!r}")
+        if self.num_heads % self.num_kv_heads:
+            raise ValueError(f"num_heads: {self.num_heads} is not a multiple of "
+                             f"{self.num_kv_heads} kv heads")
+
+    @property
+    def group(self) -> int:
+        return self.num_heads // self.num_kv_heads
+
+    def variant(self) -> tuple:
+        """What selects a compiled kernel: (dtype, head_dim, group, block_size)."""
+        return (dtype_name(self.dtype), self.head_dim, self.group, self.block_size)
+
+
+def unsupported_reason(geometry: Geometry, head_dims: tuple[int, ...]) -> str | None:
+    """Why a tensor-core kernel built for these head dims cannot run this geometry, or None."""
+    if geometry.dtype not in DTYPES:
+        return f"dtype {geometry.dtype} (kernels take float16/bfloat16)"
+    if geometry.head_dim not in head_dims:
+        return f"head_dim {geometry.head_dim} (kernel built for {head_dims})"
+    if not 1 <= geometry.group <= MAX_GROUP:
+        return f"GQA group {geometry.group} (kernel packs groups of 1..{MAX_GROUP})"
+    if geometry.block_size not in BLOCK_SIZES:
+        return f"block size {geometry.block_size} (kernel tested for {BLOCK_SIZES})"
+    return None
+
+
+@dataclass(frozen=True)
+class Lengths:
+    """A batch's host lengths, checked once (`of`), then handed to every plan of the forward."""
+
+    cu_seqlens_q: np.ndarray  # int64 [S + 1]
+    seq_lens: np.ndarray  # int64 [S]
+    num_tokens: int
+    max_seq_len: int
+
+    @classmethod
+    def of(cls, cu_seqlens_q, seq_lens) -> Lengths:
+        cu, lens = check_lengths(cu_seqlens_q, seq_lens)
+        for arr in (cu, lens):
+            arr.flags.writeable = False
+        return cls(cu, lens, int(cu[-1]), int(lens.max()))
+
+    @property
+    def num_seqs(self) -> int:
+        return len(self.seq_lens)
+
+    @property
+    def q_lens(self) -> np.ndarray:
+        return np.diff(self.cu_seqlens_q)
+
+    def seqs(self, seqs=None) -> tuple[int, ...]:
+        """`seqs` (a plan's sequences; None: all of them) as increasing batch indices."""
+        if seqs is None:
+            return tuple(range(self.num_seqs))
+        picked = host_ints(seqs, "seqs")
+        n = self.num_seqs
+        if not len(picked) or (np.diff(picked) <= 0).any() or picked[0] < 0 or picked[-1] >= n:
+            raise ValueError(f"seqs: expected increasing batch indices in [0, {n - 1}], "
+                             f"got {seqs!r}")
+        return tuple(picked.tolist())
+
+    def tokens_of(self, seqs: tuple[int, ...]) -> int:
+        return int(self.q_lens[list(seqs)].sum())

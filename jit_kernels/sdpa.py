@@ -1,0 +1,188 @@
+"""Executors on contiguous K/V: one `mx.fast.scaled_dot_product_attention` per sequence.
+
+- `ContiguousSdpa`: a sequence with nothing cached attends over its own new K/V rows (the
+  cache is never read back, as with mlx-lm's contiguous cache); a sequence whose pages are one
+  run of consecutive blocks (the route finds those) reads those rows of the cache in place, as
+  a strided view (under vLLM's allocator a lone conversation's blocks stay one run);
+- `GatheredSdpa`: the pages are copied out first, by a backend's page-gather kernel (one launch
+  for the batch) or by MLX's take where there is none;
+- `ReferenceAttention`: `reference.paged_attention`, the oracle, as an executor.
+New rows and rows read in place reach SDPA as [L, Hkv, D] seen heads first, gathered pages as
+[Hkv, L, D]: MLX builds a cuDNN graph per layout and shape (`paged_prefix.rules`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import mlx.core as mx
+
+import reference
+
+from .arrays import as_pages, as_rows, check_call
+from .geometry import Geometry, Lengths
+from .interface import Plan
+from .page_gather import GatherPlan, PageGather, plan_gather
+
+
+def _attend(q: mx.array, ks: mx.array, vs: mx.array, scale: float) -> mx.array:
+    """q [L, H, D] over ks, vs [1, Hkv, Lk, D] -> [L, H, D]."""
+    return reference.tokens_first(reference.sdpa(reference.heads_first(q), ks, vs, scale))
+
+
+def _assemble(out: mx.array | None, rows: list[mx.array], plan: Plan) -> mx.array:
+    """The planned sequences' rows (in plan order) as [T, H, D]; see `interface`."""
+    if out is None and plan.whole:
+        return rows[0] if len(rows) == 1 else mx.concatenate(rows, axis=0)
+    if out is None:
+        g = plan.geometry
+        out = mx.zeros((plan.lengths.num_tokens, g.num_heads, g.head_dim), dtype=g.dtype)
+    cu = plan.lengths.cu_seqlens_q
+    for s, r in zip(plan.seqs, rows):
+        out[int(cu[s]):int(cu[s + 1])] = r
+    return out
+
+
+def _q_rows(q: mx.array, plan: Plan, s: int) -> mx.array:
+    if plan.whole and len(plan.seqs) == 1:  # no slice: each is an op a layer
+        return q
+    cu = plan.lengths.cu_seqlens_q
+    return q[int(cu[s]):int(cu[s + 1])]
+
+
+@dataclass(frozen=True)
+class ContiguousPlan(Plan):
+    # per planned sequence: its cache rows read in place, or None: its own new rows
+    sources: tuple[slice | None, ...]
+    cache_rows: int  # the cache rows the reads in place need
+
+
+class ContiguousSdpa:
+    name = "sdpa"
+
+    def unsupported_reason(self, geometry: Geometry) -> str | None:
+        return None
+
+    def canary_plannings(self, geometry: Geometry) -> tuple[dict, ...]:
+        return ()
+
+    def plan(self, lengths: Lengths, geometry: Geometry, block_tables: mx.array, seqs=None,
+             first_blocks: dict[int, int] | None = None) -> ContiguousPlan:
+        """`first_blocks`: the first block of each planned sequence with a cached prefix, whose
+        pages are one run of consecutive blocks; the others must have nothing cached."""
+        seqs, first_blocks = lengths.seqs(seqs), first_blocks or {}
+        bs, lens, q_lens = geometry.block_size, lengths.seq_lens, lengths.q_lens
+        stray = sorted(set(first_blocks) - set(seqs))
+        cached = [s for s in seqs if lens[s] > q_lens[s] and s not in first_blocks]
+        if stray or cached:
+            raise ValueError(f"first_blocks: sequences {stray or cached} are not planned, or "
+                             "have a cached prefix with no run of blocks to read in place")
+        sources = tuple(slice(first_blocks[s] * bs, first_blocks[s] * bs + int(lens[s]))
+                        if s in first_blocks else None for s in seqs)
+        cache_rows = max((r.stop for r in sources if r is not None), default=0)
+        return ContiguousPlan(geometry, lengths, block_tables, seqs, sources, cache_rows)
+
+    def check(self, q, k, v, k_cache, v_cache, plan: ContiguousPlan) -> None:
+        check_call(self.name, plan.geometry, plan.lengths, q, k, v, k_cache, v_cache,
+                   plan.block_tables)
+        held = as_rows(k_cache, plan.geometry).shape[0]
+        if plan.cache_rows > held:
+            raise ValueError(f"block_tables: the plan reads cache rows up to {plan.cache_rows}, "
+                             f"the caches hold {held}")
+
+    def run(self, q, k, v, k_cache, v_cache, plan: ContiguousPlan, out=None) -> mx.array:
+        g, cu = plan.geometry, plan.lengths.cu_seqlens_q
+        rows = None  # the caches' token rows, viewed once per call
+        outs = []
+        for s, source in zip(plan.seqs, plan.sources):
+            if source is None:  # in the cache's dtype, so every source gives the same numbers
+                if plan.whole and len(plan.seqs) == 1:
+                    ks, vs = k, v
+                else:
+                    ks, vs = k[int(cu[s]):int(cu[s + 1])], v[int(cu[s]):int(cu[s + 1])]
+                if ks.dtype != g.dtype:
+                    ks, vs = ks.astype(g.dtype), vs.astype(g.dtype)
+            else:
+                rows = rows or (as_rows(k_cache, g), as_rows(v_cache, g))
+                ks, vs = rows[0][source], rows[1][source]
+            outs.append(_attend(_q_rows(q, plan, s), reference.heads_first(ks),
+                                reference.heads_first(vs), g.scale))
+        return _assemble(out, outs, plan)
+
+
+@dataclass(frozen=True)
+class GatheredPlan(Plan):
+    gather: GatherPlan
+
+
+class GatheredSdpa:
+    """`gather`: the backend's page-gather kernel; None copies with MLX's take."""
+
+    def __init__(self, gather: PageGather | None = None):
+        self.gather = gather
+        self.name = "MLX gather + sdpa" if gather is None else f"{gather.backend} gather + sdpa"
+
+    def unsupported_reason(self, geometry: Geometry) -> str | None:
+        return None if self.gather is None else self.gather.unsupported_reason(geometry)
+
+    def canary_plannings(self, geometry: Geometry) -> tuple[dict, ...]:
+        return () if self.gather is None else ({},)
+
+    def plan(self, lengths: Lengths, geometry: Geometry, block_tables: mx.array,
+             seqs=None) -> GatheredPlan:
+        why_not = self.unsupported_reason(geometry)
+        if why_not:
+            raise ValueError(f"{self.name} cannot run this geometry: {why_not}")
+        g, seqs = geometry, lengths.seqs(seqs)
+        gather = plan_gather(lengths.seq_lens, list(seqs), g.block_size, g.num_kv_heads,
+                             g.head_dim, g.dtype)
+        return GatheredPlan(g, lengths, block_tables, seqs, gather)
+
+    def check(self, q, k, v, k_cache, v_cache, plan: GatheredPlan) -> None:
+        check_call(self.name, plan.geometry, plan.lengths, q, k, v, k_cache, v_cache,
+                   plan.block_tables)
+        if self.gather is not None:
+            self.gather.check(k_cache, v_cache, plan.gather)
+
+    def gathered(self, k_cache, v_cache, plan: GatheredPlan) -> list[tuple[mx.array, mx.array]]:
+        """Each planned sequence's K/V, [1, Hkv, L, D]: the copy this executor attends over."""
+        if self.gather is not None:
+            return self.gather.launch(k_cache, v_cache, plan.block_tables, plan.gather)
+        k_pages, v_pages = as_pages(k_cache, plan.geometry), as_pages(v_cache, plan.geometry)
+        return [reference.gather_kv(k_pages, v_pages, plan.block_tables[s], int(n))
+                for s, n in zip(plan.seqs, plan.gather.seq_lens)]
+
+    def run(self, q, k, v, k_cache, v_cache, plan: GatheredPlan, out=None) -> mx.array:
+        kv = self.gathered(k_cache, v_cache, plan)
+        outs = [_attend(_q_rows(q, plan, s), ks, vs, plan.geometry.scale)
+                for s, (ks, vs) in zip(plan.seqs, kv)]
+        return _assemble(out, outs, plan)
+
+
+class ReferenceAttention:
+    """`reference.paged_attention` over every sequence of the batch."""
+
+    name = "reference"
+
+    def unsupported_reason(self, geometry: Geometry) -> str | None:
+        return None
+
+    def canary_plannings(self, geometry: Geometry) -> tuple[dict, ...]:
+        return ()
+
+    def plan(self, lengths: Lengths, geometry: Geometry, block_tables: mx.array,
+             seqs=None) -> Plan:
+        seqs = lengths.seqs(seqs)
+        if len(seqs) != lengths.num_seqs:
+            raise ValueError("seqs: the reference plans every sequence of the batch")
+        return Plan(geometry, lengths, block_tables, seqs)
+
+    def check(self, q, k, v, k_cache, v_cache, plan: Plan) -> None:
+        check_call(self.name, plan.geometry, plan.lengths, q, k, v, k_cache, v_cache,
+                   plan.block_tables)
+
+    def run(self, q, k, v, k_cache, v_cache, plan: Plan, out=None) -> mx.array:
+        g, lengths = plan.geometry, plan.lengths
+        return reference.paged_attention(q, as_pages(k_cache, g), as_pages(v_cache, g),
+                                         plan.block_tables, lengths.cu_seqlens_q,
+                                         lengths.seq_lens, g.scale)
