@@ -42,9 +42,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from gpu_time import gpu_us_together  # noqa: E402
 
 import reference  # noqa: E402
-from jit_kernels import available_backends  # noqa: E402
-from jit_kernels.contiguous_sdpa import plan_sdpa, sdpa_attention  # noqa: E402
-from jit_kernels.support import Geometry  # noqa: E402
+from jit_kernels import ContiguousSdpa, GatheredSdpa, available_backends  # noqa: E402
+from jit_kernels.geometry import Geometry  # noqa: E402
 from paged_prefix.dispatch import Dispatcher  # noqa: E402
 from paged_prefix.metadata import AttentionMetadata, build_attention_metadata  # noqa: E402
 
@@ -145,30 +144,50 @@ def ceiling_fn(case: Case, scale: float):
         for q, k, v in zip(case.q_seqs, case.k_seqs, case.v_seqs)]
 
 
+def checked(parts, args):
+    """A call of executors as a lone caller makes it: each one's entry check, then its run."""
+    def call():
+        out = None
+        for kernel, plan in parts:
+            kernel.check(*args, plan)
+            out = kernel.run(*args, plan, out)
+        return out
+    return call
+
+
 def path_fns(case: Case, backend_name: str | None) -> dict:
     """Each path as a zero-argument call, plans built once (as a forward would)."""
     m, g = case.meta, GEOMETRY
-    cu, lens, tables = m.cu_seqlens_q_host, m.seq_lens_host, m.block_tables
+    lengths, tables = m.lengths, m.block_tables
     args = (case.q, case.k_new, case.v_new, case.k_cache, case.v_cache)
     fns = {"ceiling": ceiling_fn(case, g.scale),
-           "reference": lambda: reference.paged_attention(case.q, case.k_cache, case.v_cache,
-                                                          tables, cu, lens, g.scale)}
-    sdpa_plan = plan_sdpa(cu, lens, g)
+           "reference": lambda: reference.paged_attention(
+               case.q, case.k_cache, case.v_cache, tables, lengths.cu_seqlens_q,
+               lengths.seq_lens, g.scale)}
     backend = available_backends().get(backend_name)
-    gather = backend.gather if backend else None
-    fns["sdpa"] = lambda: sdpa_attention(*args, tables, sdpa_plan, gather)
+    cached = tuple(s for s in range(lengths.num_seqs) if lengths.seq_lens[s] > lengths.q_lens[s])
+    fresh = tuple(s for s in range(lengths.num_seqs) if s not in cached)
+    gathered = backend.gathered if backend else GatheredSdpa()
+    sdpa = [(ContiguousSdpa(), ContiguousSdpa().plan(lengths, g, tables, fresh))] if fresh else []
+    if cached:
+        sdpa.append((gathered, gathered.plan(lengths, g, tables, cached)))
+    fns["sdpa"] = checked(sdpa, args)  # every cached prefix gathered
     if backend:
-        plan = backend.attention.plan(cu, lens, g)
-        fns["kernel"] = lambda: backend.attention(case.q, case.k_cache, case.v_cache, tables,
-                                                  plan)
-        if sdpa_plan.gather.seqs:
-            fns["gather"] = lambda: backend.gather(case.k_cache, case.v_cache, tables,
-                                                   sdpa_plan.gather)
+        fns["kernel"] = checked([(backend.attention, backend.attention.plan(lengths, g, tables))],
+                                args)
+        if cached:
+            gather_plan = sdpa[-1][1].gather
+
+            def gather():
+                backend.gathered.gather.check(case.k_cache, case.v_cache, gather_plan)
+                return backend.gathered.gather.launch(case.k_cache, case.v_cache, tables,
+                                                      gather_plan)
+            fns["gather"] = gather
     dispatcher = Dispatcher("auto")
     dispatcher.plan(m, g)  # a shape's first request runs the kernel (rules.CudaSdpaRule)
-    auto = dispatcher.plan(m, g)  # the choice from then on
+    auto = dispatcher.plan(m, g)  # the route from then on
     fns["auto"] = lambda: auto(*args)
-    return fns, auto.choice.path
+    return fns, auto.route.path
 
 
 def time_per_call(fn, budget_s: float = 0.03, samples: int = 5) -> float:

@@ -11,8 +11,7 @@ as the sweep but mixed8 (the output of one call must be the next's q: single seq
 decode batches, whose ceiling is one batched SDPA call).
 
 Paths: ceiling = SDPA on contiguous K/V; kernel = the paged kernel as planned; auto = the
-dispatcher's choice for a shape asked for before; and where the kernel plans 128-row tiles,
-kernel_w16 = the same plan with 16-row warps (eight warps a tile) against the default 32.
+dispatcher's route for a shape asked for before.
 
 On CUDA the same chains are timed on the GPU alone too (bench/gpu_time.py: no host cost),
 cycling through copies of the case whose K/V together exceed twice the L2, as a forward's
@@ -74,28 +73,21 @@ def ceiling_chain(case) -> tuple:
 def run_point(point, backend) -> dict:
     case, g = make_case(point), GEOMETRY
     m = case.meta
-    cu, lens, tables = m.cu_seqlens_q_host, m.seq_lens_host, m.block_tables
     row = {"point": point.name, "ceiling": chained_us(*ceiling_chain(case))}
     kernel = backend.attention
-    plan = kernel.plan(cu, lens, g)
-    row["kernel"] = chained_us(lambda x: kernel.launch(x, case.k_cache, case.v_cache, tables,
-                                                       plan), case.q)
+    plan = kernel.plan(m.lengths, g, m.block_tables)
+    row["kernel"] = chained_us(lambda x: kernel.launch(x, case.k_cache, case.v_cache, plan),
+                               case.q)
     row["block_m"], row["items"] = plan.block_m, plan.tiles.num_items
-    if plan.block_m == 128:
-        narrow = type(kernel)()
-        narrow.warp_m_128 = 16
-        plan16 = narrow.plan(cu, lens, g)
-        row["kernel_w16"] = chained_us(lambda x: narrow.launch(x, case.k_cache, case.v_cache,
-                                                               tables, plan16), case.q)
     dispatcher = Dispatcher("auto")
     dispatcher.plan(m, g)
     auto = dispatcher.plan(m, g)
     row["auto"] = chained_us(lambda x: auto(x, case.k_new, case.v_new, case.k_cache,
                                             case.v_cache), case.q)
-    row["auto_path"] = auto.choice.path
+    row["auto_path"] = auto.route.path
     row["auto_over_ceiling"] = row["auto"] / row["ceiling"]
-    if kernel.name == "cuda":
-        row["gpu"] = gpu_row(point, case, kernel, plan, dispatcher)
+    if backend.name == "cuda":
+        row["gpu"] = gpu_row(point, case, kernel, dispatcher)
     return row
 
 
@@ -111,16 +103,16 @@ def ceiling_gpu_us(copies: list) -> float:
     return gpu_us([step for step, _ in chains], chains[0][1])
 
 
-def gpu_row(point, case, kernel, plan, dispatcher) -> dict:
+def gpu_row(point, case, kernel, dispatcher) -> dict:
     """GPU microseconds per call of each path, cycling through copies of the case."""
     copies = copies_past_l2(point, case)
     autos = [dispatcher.plan(c.meta, GEOMETRY) for c in copies]
+    plans = [kernel.plan(c.meta.lengths, GEOMETRY, c.meta.block_tables) for c in copies]
     row = {
         "copies": len(copies),
         "ceiling": ceiling_gpu_us(copies),
-        "kernel": gpu_us([lambda x, c=c: kernel.launch(x, c.k_cache, c.v_cache,
-                                                       c.meta.block_tables, plan)
-                          for c in copies], case.q),
+        "kernel": gpu_us([lambda x, c=c, p=p: kernel.launch(x, c.k_cache, c.v_cache, p)
+                          for c, p in zip(copies, plans)], case.q),
         "auto": gpu_us([lambda x, c=c, a=a: a(x, c.k_new, c.v_new, c.k_cache, c.v_cache)
                         for c, a in zip(copies, autos)], case.q),
     }
@@ -142,15 +134,14 @@ def main() -> None:
               and (only is None or p.name in only)]
     rows = []
     gpu = backend.attention.name == "cuda"
-    print(f"{'point':<14}{'ceiling us':>11}{'kernel us':>11}{'w16 us':>9}{'auto us':>10}"
+    print(f"{'point':<14}{'ceiling us':>11}{'kernel us':>11}{'auto us':>10}"
           f"{'auto/ceil':>10}  {'auto path':<10}"
           + (f"{'GPU alone: ceil us':>19}{'kern us':>9}{'auto us':>9}{'auto/ceil':>10}"
              f"{'kern GB/s':>10}" if gpu else ""), flush=True)
     for point in points:
         r = run_point(point, backend)
         rows.append(r)
-        w16 = f"{r['kernel_w16']:9.1f}" if "kernel_w16" in r else f"{'-':>9}"
-        line = (f"{r['point']:<14}{r['ceiling']:11.1f}{r['kernel']:11.1f}{w16}{r['auto']:10.1f}"
+        line = (f"{r['point']:<14}{r['ceiling']:11.1f}{r['kernel']:11.1f}{r['auto']:10.1f}"
                 f"{r['auto_over_ceiling']:10.2f}  {r['auto_path']:<10}")
         if gpu:
             q = r["gpu"]
