@@ -48,14 +48,28 @@ def as_rows(cache: mx.array, geometry: Geometry) -> mx.array:
     return cache.reshape(-1, g.num_kv_heads, g.head_dim)
 
 
+def _pages(cache: mx.array, geometry: Geometry, name: str) -> mx.array:
+    """A cache as pages for the shape check: as given when it already is [..., BS, Hkv, D] of
+    the geometry's dtype (its shape is then checked as it is), else viewed, once it is known to
+    hold whole pages."""
+    g = geometry
+    if cache.ndim == 4 and cache.dtype == g.dtype:
+        return cache
+    page = g.block_size * g.num_kv_heads * g.head_dim * g.dtype.size
+    if not cache.nbytes or cache.nbytes % page:
+        raise ValueError(f"{name}: {cache.nbytes} bytes are not whole pages of {page} bytes "
+                         f"({g.block_size} x {g.num_kv_heads} x {g.head_dim} {g.dtype})")
+    return as_pages(cache, g)
+
+
 def check_call(name: str, geometry: Geometry, lengths: Lengths, q: mx.array, k: mx.array,
                v: mx.array, k_cache: mx.array, v_cache: mx.array,
                block_tables: mx.array) -> None:
     """An executor's entry check (shapes only, no host sync): the contract, the new rows, then
     the plan's geometry."""
-    pages = as_pages(k_cache, geometry)
-    check_arrays(q, pages, as_pages(v_cache, geometry), block_tables, lengths.num_tokens,
-                 lengths.num_seqs, lengths.max_seq_len)
+    pages = _pages(k_cache, geometry, "k_cache")
+    check_arrays(q, pages, _pages(v_cache, geometry, "v_cache"), block_tables,
+                 lengths.num_tokens, lengths.num_seqs, lengths.max_seq_len)
     want = (q.shape[0], pages.shape[2], pages.shape[3])
     if k.shape != want or v.shape != want:
         raise ValueError(f"k, v: new rows must be {want}, got {k.shape} and {v.shape}")

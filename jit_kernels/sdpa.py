@@ -139,10 +139,10 @@ class GatheredSdpa:
         return GatheredPlan(g, lengths, block_tables, seqs, gather)
 
     def check(self, q, k, v, k_cache, v_cache, plan: GatheredPlan) -> None:
+        if self.gather is not None:  # first: the copy's own rule on the bytes it reads
+            self.gather.check(k_cache, v_cache, plan.gather)
         check_call(self.name, plan.geometry, plan.lengths, q, k, v, k_cache, v_cache,
                    plan.block_tables)
-        if self.gather is not None:
-            self.gather.check(k_cache, v_cache, plan.gather)
 
     def gathered(self, k_cache, v_cache, plan: GatheredPlan) -> list[tuple[mx.array, mx.array]]:
         """Each planned sequence's K/V, [1, Hkv, L, D]: the copy this executor attends over."""
