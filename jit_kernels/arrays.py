@@ -49,11 +49,11 @@ def as_rows(cache: mx.array, geometry: Geometry) -> mx.array:
 
 
 def _pages(cache: mx.array, geometry: Geometry, name: str) -> mx.array:
-    """A cache as pages for the shape check: as given when it already is [..., BS, Hkv, D] of
-    the geometry's dtype (its shape is then checked as it is), else viewed, once it is known to
-    hold whole pages."""
+    """A cache as pages for the shape check: as given when it comes as pages (its shape and
+    dtype are then checked as they are), else (the stored rows of words) viewed, once it is
+    known to hold whole pages."""
     g = geometry
-    if cache.ndim == 4 and cache.dtype == g.dtype:
+    if cache.ndim == 4:
         return cache
     page = g.block_size * g.num_kv_heads * g.head_dim * g.dtype.size
     if not cache.nbytes or cache.nbytes % page:
@@ -65,14 +65,11 @@ def _pages(cache: mx.array, geometry: Geometry, name: str) -> mx.array:
 def check_call(name: str, geometry: Geometry, lengths: Lengths, q: mx.array, k: mx.array,
                v: mx.array, k_cache: mx.array, v_cache: mx.array,
                block_tables: mx.array) -> None:
-    """An executor's entry check (shapes only, no host sync): the contract, the new rows, then
-    the plan's geometry."""
+    """An executor's entry check (shapes only, no host sync): the contract, the plan's
+    geometry, then the new rows."""
     pages = _pages(k_cache, geometry, "k_cache")
     check_arrays(q, pages, _pages(v_cache, geometry, "v_cache"), block_tables,
                  lengths.num_tokens, lengths.num_seqs, lengths.max_seq_len)
-    want = (q.shape[0], pages.shape[2], pages.shape[3])
-    if k.shape != want or v.shape != want:
-        raise ValueError(f"k, v: new rows must be {want}, got {k.shape} and {v.shape}")
     _, block_size, num_kv_heads, head_dim = pages.shape
     got = (q.shape[1], num_kv_heads, head_dim, block_size, q.dtype)
     planned = (geometry.num_heads, geometry.num_kv_heads, geometry.head_dim, geometry.block_size,
@@ -80,3 +77,6 @@ def check_call(name: str, geometry: Geometry, lengths: Lengths, q: mx.array, k: 
     if got != planned:
         raise ValueError(f"{name}: q/k_cache (heads, kv heads, head_dim, block size, dtype) "
                          f"{got} differ from the plan's {planned}")
+    want = (q.shape[0], pages.shape[2], pages.shape[3])
+    if k.shape != want or v.shape != want:
+        raise ValueError(f"k, v: new rows must be {want}, got {k.shape} and {v.shape}")
