@@ -80,6 +80,9 @@ class VllmModelRunner:
             dtype=TORCH_TO_MLX[spec.dtype],
         )
         self.runner = PagedModelRunner(self.model, cache, self.dispatcher)
+        # the runner's tree from here on: the caller's would keep the q/k/v and gate/up arrays
+        # alive beside the runner's stacks of them
+        self.model = self.runner.model
         self._limits = Limits(self.vocab_size, cache.block_size, cache.num_blocks,
                               self.sampler.max_rows)
 
