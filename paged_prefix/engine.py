@@ -72,7 +72,7 @@ class Engine:
         self.config = config
         model_cfg = resolve_config(config.model)
         torch_dtype = DTYPES[config.dtype]
-        self.model = build_model(model_cfg, TORCH_TO_MLX[torch_dtype], config.seed)
+        model = build_model(model_cfg, TORCH_TO_MLX[torch_dtype], config.seed)
         self.vocab_size = model_cfg["vocab_size"]
         self._folder = tempfile.TemporaryDirectory(prefix="paged_prefix_")  # removed with self
         folder = hf_config(model_cfg, Path(self._folder.name), config.dtype)
@@ -99,7 +99,7 @@ class Engine:
             vllm_config=vllm_config, kv_cache_config=kv_cache_config,
             structured_output_manager=StructuredOutputManager(vllm_config),
             block_size=config.block_size, log_stats=True)
-        self.runner = VllmModelRunner(self.model, Dispatcher(config.attention), vllm_config)
+        self.runner = VllmModelRunner(model, Dispatcher(config.attention), vllm_config)
         self.runner.initialize_kv_cache(kv_cache_config)
         init_none_hash(sha256)
         self._hasher = get_request_block_hasher(config.block_size, sha256)

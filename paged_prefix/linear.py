@@ -56,11 +56,11 @@ class StackedLinear:
     """Linear layers over the same rows as one matmul; `__call__(x, *layers)` returns each
     layer's output (column views of the one product).
 
-    The layers' `weight`s (and `bias`es) become views of one stacked array, so the weights are
-    held once; a layer whose weight is replaced later (update, load_weights) is stacked again
-    at the next call. Quantized layers, or layers that differ in having a bias or in their
-    weights' dtype, are called one by one. Kept outside the module tree: it holds no
-    parameters of its own.
+    The layers' `weight`s (and `bias`es) become views of one stacked array, so the layers hold
+    their weights once (their old arrays are freed unless something else holds them); a layer
+    whose weight is replaced later (update, load_weights) is stacked again at the next call.
+    Quantized layers, or layers that differ in having a bias or in their weights' dtype, are
+    called one by one. Kept outside the module tree: it holds no parameters of its own.
     """
 
     def __init__(self) -> None:

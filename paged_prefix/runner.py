@@ -1,8 +1,9 @@
 """The model runner core: one packed forward over scheduled requests, no vLLM types.
 
-`PagedModelRunner.forward(meta)` runs an mlx-lm model whose attention is patched to read and
-write the paged KV cache, computing only the scheduled tokens, and returns the logits of the
-rows that sample. Every check runs before the first cache write, and a forward that raises
+`PagedModelRunner.forward(meta)` runs its own copy of an mlx-lm model (`paged_model.py`: the
+same weight arrays, the caller's model left as it was) whose attention reads and writes the
+paged KV cache, computing only the scheduled tokens, and returns the logits of the rows that
+sample. Every check runs before the first cache write, and a forward that raises
 while its graph is built leaves the cache as it was, unless it raises after pipelined
 evaluation began (an error inside the model's own code past layer 0): then the layers already
 evaluated have written their rows, into this forward's own slots and no others.
@@ -25,12 +26,11 @@ import mlx.nn as nn
 
 from jit_kernels.geometry import Geometry
 
-from .attention import ForwardContext, PagedAttention, patch_attention
+from .attention import ForwardContext, PagedAttention
 from .dispatch import Dispatcher
 from .kv_cache import PagedKVCache, Slots
-from .linear import pack_linears
 from .metadata import BatchMetadata
-from .mlp import patch_mlp
+from .paged_model import paged_model
 
 # mlx-lm model types whose attention PagedAttention takes over (mistral runs mlx-lm's llama).
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
@@ -94,7 +94,8 @@ class PagedModelRunner:
     def __init__(self, model: nn.Module, kv_cache: PagedKVCache,
                  dispatcher: Dispatcher | None = None, pipeline: bool | None = None):
         check_model(model)
-        num_layers = patch_attention(model)
+        model = paged_model(model)  # the runner's own tree: the caller's model is left as it was
+        num_layers = len(model.layers)
         if kv_cache.num_layers != num_layers:
             raise ValueError(f"kv_cache: {kv_cache.num_layers} layers for a {num_layers}-layer model")
         attn: PagedAttention = model.layers[0].self_attn
@@ -103,9 +104,6 @@ class PagedModelRunner:
             raise ValueError(
                 f"kv_cache: {kv_cache.num_kv_heads} kv heads of {kv_cache.head_dim} but the "
                 f"model has {attn.n_kv_heads} of {head_dim}")
-        patch_mlp(model)
-        for layer in model.layers:  # the runner feeds packed [T, hidden] rows
-            pack_linears(layer)
         self.model = model
         self.kv_cache = kv_cache
         self.dispatcher = dispatcher or Dispatcher()

@@ -15,7 +15,9 @@ logits processors get every row re-added each step; vLLM's BatchUpdate contract 
 an added row to replace whatever held its index before.
 
 What is refused, and why, is `unsupported_reason`: both the platform (HTTP 400 at
-admission) and the runner (ValueError) ask it, so the two never disagree.
+admission) and the runner (ValueError) ask it, so the two never disagree. The sampler's rows
+are the step's sampling requests in order: `grammar_rows` and `in_output_order` map vLLM's
+grammar bitmask onto them and their logprobs back onto the scheduler's order.
 """
 
 from __future__ import annotations
@@ -29,7 +31,8 @@ import torch
 import xgrammar
 from vllm.config import VllmConfig
 from vllm.sampling_params import SamplingParams, SamplingType
-from vllm.v1.outputs import SamplerOutput
+from vllm.v1.core.sched.output import GrammarOutput
+from vllm.v1.outputs import LogprobsLists, SamplerOutput
 from vllm.v1.sample.logits_processor import BatchUpdate, build_logitsprocs
 from vllm.v1.sample.metadata import SamplingMetadata
 from vllm.v1.sample.sampler import Sampler
@@ -184,3 +187,23 @@ class BatchSampler:
                 mask[i] = True
                 mask[i, p.allowed_token_ids] = False
         return mask
+
+
+def grammar_rows(grammar: GrammarOutput | None,
+                 sample_ids: Sequence[str]) -> dict[int, np.ndarray] | None:
+    """The bitmask rows of the structured-output requests that sample in this step, keyed by
+    their sampling row (a request still mid-prompt has a bitmask row but samples nothing)."""
+    if grammar is None:
+        return None
+    row_of = {r: i for i, r in enumerate(sample_ids)}
+    return {row_of[r]: grammar.grammar_bitmask[k]
+            for k, r in enumerate(grammar.structured_output_request_ids) if r in row_of}
+
+
+def in_output_order(lists: LogprobsLists, sample_ids: Sequence[str],
+                    req_ids: Sequence[str]) -> LogprobsLists:
+    """Sampler rows follow `sample_ids`; the scheduler reads row `req_id_to_index[req]`."""
+    row_of = {r: i for i, r in enumerate(sample_ids)}
+    order = [row_of.get(r, 0) for r in req_ids]  # rows of non-sampling requests are never read
+    return LogprobsLists(lists.logprob_token_ids[order], lists.logprobs[order],
+                         lists.sampled_token_ranks[order])

@@ -1,6 +1,7 @@
 """Cached-prefix prefill through the paged runner against mlx-lm's own contiguous cache.
 
-Two oracles over the same seeded weights, both the unpatched mlx-lm model (same class):
+Two oracles over the same weights, both the mlx-lm model the runner was built from (the runner
+runs its own copy of the module tree and leaves this one as it was):
   * exact: mlx-lm's contiguous prompt cache fed the same split (prefix, then suffix; the same
     chunks) with the same attention precision as the reference (fp32 scores). On the CPU paths
     (reference, sdpa) paging adds no arithmetic, so logits must be bit-identical: a wrong RoPE
@@ -60,8 +61,7 @@ class Harness:
         self.dense = build_model(self.cfg, dtype, seed=7)
         kv = PagedKVCache(self.cfg["num_hidden_layers"], NUM_BLOCKS, BS,
                           self.cfg["num_key_value_heads"], self.cfg["head_dim"], dtype)
-        self.runner = PagedModelRunner(build_model(self.cfg, dtype, seed=7), kv,
-                                       Dispatcher(path, strict=True))
+        self.runner = PagedModelRunner(self.dense, kv, Dispatcher(path, strict=True))
         self.free = list(np.random.default_rng(3).permutation(np.arange(1, NUM_BLOCKS)))
 
     def blocks(self, n_tokens):

@@ -16,13 +16,13 @@ import numpy as np
 import pytest
 import torch
 from vllm.config import SchedulerConfig, VllmConfig
-from vllm.sampling_params import SamplingParams
-from vllm.v1.core.sched.output import CachedRequestData, NewRequestData, SchedulerOutput
+from vllm.v1.core.sched.output import NewRequestData
 from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec
 
 from paged_prefix.engine import Engine, EngineConfig
 from paged_prefix.models import build_model, resolve_config
 from paged_prefix.vllm_runner import VllmModelRunner
+from tests.scheduler_outputs import cached, new, step
 
 BS, NUM_BLOCKS = 16, 32
 CONFIG = resolve_config("llama-test")
@@ -37,29 +37,6 @@ def make_runner(vllm_config: VllmConfig | None = None) -> VllmModelRunner:
     runner.initialize_kv_cache(KVCacheConfig(num_blocks=NUM_BLOCKS, kv_cache_tensors=[],
                                              kv_cache_groups=[KVCacheGroupSpec(layers, spec)]))
     return runner
-
-
-def new(req_id, prompt, blocks, computed=0, **params) -> NewRequestData:
-    return NewRequestData(req_id=req_id, prompt_token_ids=prompt, mm_features=[],
-                          sampling_params=SamplingParams(temperature=0.0, max_tokens=8, **params),
-                          pooling_params=None, block_ids=blocks, num_computed_tokens=computed,
-                          lora_request=None)
-
-
-def cached(req_ids, new_blocks, computed, resumed=()) -> CachedRequestData:
-    return CachedRequestData(req_ids=list(req_ids), resumed_req_ids=set(resumed), new_token_ids=[],
-                             all_token_ids={}, new_block_ids=list(new_blocks),
-                             num_computed_tokens=list(computed),
-                             num_output_tokens=[0] * len(req_ids))
-
-
-def step(scheduled: dict, new_reqs=(), cached_reqs=None, finished=()) -> SchedulerOutput:
-    return SchedulerOutput(
-        scheduled_new_reqs=list(new_reqs),
-        scheduled_cached_reqs=cached_reqs or CachedRequestData.make_empty(),
-        num_scheduled_tokens=dict(scheduled), total_num_scheduled_tokens=sum(scheduled.values()),
-        scheduled_spec_decode_tokens={}, scheduled_encoder_inputs={},
-        finished_req_ids=set(finished), free_encoder_mm_hashes=[])
 
 
 def state(runner: VllmModelRunner):

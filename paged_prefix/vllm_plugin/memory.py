@@ -6,9 +6,10 @@
   RAM). MLX's CPU backend reports none: host RAM then, as vLLM's own CPU backend uses.
 - weights: MLX's active memory once the model is loaded.
 - activation peak: MLX's peak memory during one profile forward into a temporary cache,
-  less the weights and that cache. On the CPU backend a forward of `max_num_batched_tokens`
-  tokens would take minutes, so it runs `PROFILE_TOKENS_CPU` tokens and scales the measured
-  peak linearly (activations grow with the tokens of a forward); the log says so.
+  less what the forward leaves held (the weights, the runner's stacks of some, that cache).
+  On the CPU backend a forward of `max_num_batched_tokens` tokens would take minutes, so it
+  runs `PROFILE_TOKENS_CPU` tokens and scales the measured peak linearly (activations grow
+  with the tokens of a forward); the log says so.
 - rest of the process: where the device memory is host RAM (CPU, Metal), what the process
   holds besides MLX (Python, torch, vLLM), from its resident set size.
 
@@ -56,7 +57,7 @@ def profile_tokens(max_num_batched_tokens: int) -> int:
 
 def activation_peak(model: nn.Module, dispatcher: Dispatcher, num_tokens: int, block_size: int,
                     num_kv_heads: int, head_dim: int, dtype: mx.Dtype) -> int:
-    """MLX's peak bytes above weights and cache during one forward of `num_tokens`."""
+    """MLX's peak bytes during one forward of `num_tokens` above what it leaves held."""
     num_blocks = -(-num_tokens // block_size)
     cache = PagedKVCache(len(model.layers), num_blocks, block_size, num_kv_heads, head_dim, dtype)
     runner = PagedModelRunner(model, cache, dispatcher)
@@ -64,10 +65,12 @@ def activation_peak(model: nn.Module, dispatcher: Dispatcher, num_tokens: int, b
     request = ScheduledRequest("profile", [i % vocab for i in range(num_tokens)], num_tokens, 0,
                                num_tokens, list(range(num_blocks)))
     meta = build_batch_metadata([request], block_size, num_blocks, vocab_size=vocab)
-    before = mx.get_active_memory()
     mx.reset_peak_memory()
     mx.eval(runner.forward(meta), cache.arrays())
-    peak = mx.get_peak_memory() - before
+    mx.synchronize()  # MLX frees the forward's buffers once the device is done with them
+    # above what the forward leaves held: with it the runner's own stacks of the q/k/v and
+    # gate/up weights, made in this first forward (the caller's model holds the originals)
+    peak = mx.get_peak_memory() - mx.get_active_memory()
     del runner, cache
     mx.clear_cache()
     return max(peak, 0)

@@ -1,0 +1,228 @@
+"""Request state at the vLLM boundary: plain data and pure functions, no model.
+
+vLLM's scheduler resends only what changed in each step; what it does not resend (token ids,
+block ids, sampling state) is kept here, one frozen `RequestState` per live request.
+`plan_step` applies one SchedulerOutput to the live states and returns the states as the step
+will leave them, the scheduled requests in the scheduler's order and the forward's metadata;
+it changes none of its inputs. It is where the scheduler's input is checked, once: unknown
+ids, empty or out-of-vocabulary prompts, non-integer ids, sampling options naming ids outside
+the vocabulary, a running request's computed count other than what this runner computed, a
+write into a block another live request holds. Each is a ValueError naming the field.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+from vllm.sampling_params import SamplingParams
+from vllm.v1.core.sched.output import CachedRequestData, NewRequestData, SchedulerOutput
+
+from .metadata import BatchMetadata, ScheduledRequest, build_batch_metadata
+from .validate import as_ints
+from .vllm_sampling import make_generator, token_id_options, unsupported_reason
+
+
+@dataclass(frozen=True)
+class RequestState:
+    prompt_token_ids: tuple[int, ...]
+    output_token_ids: tuple[int, ...]  # one more per sampled token, once its step succeeded
+    block_ids: tuple[int, ...]
+    params: SamplingParams
+    generator: torch.Generator | None  # seeded requests only; survives preemption
+    num_computed: int  # tokens whose K/V are in the cache (this runner's, or the scheduler's hit)
+
+    @property
+    def token_ids(self) -> list[int]:
+        return [*self.prompt_token_ids, *self.output_token_ids]
+
+
+@dataclass(frozen=True)
+class Limits:
+    """What the scheduler's ids are checked against."""
+
+    vocab_size: int
+    block_size: int
+    num_blocks: int
+    max_sampling_rows: int  # the sampler's rows: max_num_seqs
+
+
+@dataclass(frozen=True)
+class StepPlan:
+    """One step, planned and checked; nothing of it is committed yet."""
+
+    requests: dict[str, RequestState]  # every live request once this step has run
+    req_ids: list[str]  # scheduled, in the scheduler's order (ModelRunnerOutput's order)
+    meta: BatchMetadata | None  # None: no token is scheduled
+
+
+def block_ids(groups, req_id: str, limits: Limits) -> tuple[int, ...]:
+    """The one KV-cache group's block ids, each a block of the pool."""
+    if not isinstance(groups, (tuple, list)) or len(groups) != 1:
+        raise ValueError(f"block_ids: request {req_id!r} must carry exactly one KV-cache "
+                         f"group's block list, got {groups!r}")
+    return tuple(as_ints(groups[0], f"block_ids ({req_id!r})", low=0,
+                         high=limits.num_blocks - 1).tolist())
+
+
+def admit(new: NewRequestData, limits: Limits) -> RequestState:
+    """A new request's state, from the scheduler's copy of it (whose lists stay its own)."""
+    rid, vocab = new.req_id, limits.vocab_size
+    for name, used in (("prompt_embeds", new.prompt_embeds is not None),
+                       ("mm_features", bool(new.mm_features)),
+                       ("lora_request", new.lora_request is not None),
+                       ("pooling_params", new.pooling_params is not None)):
+        if used:
+            raise ValueError(f"{name}: request {rid!r} uses a feature this runner does not "
+                             "support")
+    if new.prompt_token_ids is None:
+        raise ValueError(f"prompt_token_ids: request {rid!r} has none (embeddings input "
+                         "is not supported)")
+    if len(new.prompt_token_ids) == 0:
+        raise ValueError(f"prompt_token_ids: request {rid!r} has an empty prompt")
+    prompt = as_ints(new.prompt_token_ids, f"prompt_token_ids ({rid!r})", low=0, high=vocab - 1)
+    if not isinstance(new.sampling_params, SamplingParams):
+        raise ValueError(f"sampling_params: request {rid!r} has none (only generation is "
+                         "supported)")
+    if (refused := unsupported_reason(new.sampling_params)) is not None:
+        raise ValueError(f"{refused[0]}: request {rid!r}: {refused[1]}")
+    for name, ids in token_id_options(new.sampling_params).items():
+        as_ints(ids, f"{name} ({rid!r})", low=0, high=vocab - 1)
+    logprobs = new.sampling_params.logprobs
+    if logprobs is not None and logprobs > vocab:
+        raise ValueError(f"logprobs ({rid!r}): {logprobs} exceeds the vocabulary of {vocab}")
+    return RequestState(tuple(prompt.tolist()), (), block_ids(new.block_ids, rid, limits),
+                        new.sampling_params, make_generator(new.sampling_params),
+                        new.num_computed_tokens)
+
+
+def update(state: RequestState, req_id: str, cached: CachedRequestData, i: int,
+           limits: Limits) -> RequestState:
+    """A running request's state after entry `i` of the step's cached requests."""
+    new_blocks = cached.new_block_ids[i]
+    if req_id in cached.resumed_req_ids:
+        # A preempted request comes back with a fresh block list (maybe a new hit) and,
+        # from the scheduler, every token it knows.
+        state = dataclasses.replace(state, block_ids=block_ids(new_blocks, req_id, limits))
+        if req_id in cached.all_token_ids:
+            known = as_ints(cached.all_token_ids[req_id], f"all_token_ids ({req_id!r})",
+                            low=0, high=limits.vocab_size - 1).tolist()
+            prompt_len = len(state.prompt_token_ids)
+            if tuple(known[:prompt_len]) != state.prompt_token_ids:
+                raise ValueError(f"all_token_ids: {req_id!r} resumes with another prompt")
+            state = dataclasses.replace(state, output_token_ids=tuple(known[prompt_len:]))
+        return state
+    if new_blocks is not None:  # None: no new block this step
+        added = block_ids(new_blocks, req_id, limits)
+        state = dataclasses.replace(state, block_ids=state.block_ids + added)
+    return state
+
+
+def plan_step(live: Mapping[str, RequestState], so: SchedulerOutput, limits: Limits) -> StepPlan:
+    """The step `so` over the `live` request states, checked; `live` is left as it was."""
+    for field_name in ("scheduled_spec_decode_tokens", "scheduled_encoder_inputs",
+                       "kv_cache_block_copies", "new_block_ids_to_zero"):
+        if getattr(so, field_name, None):
+            raise ValueError(f"{field_name}: not supported by this runner (speculative "
+                             "decoding, multimodal inputs and KV block copies are refused "
+                             "at startup)")
+    requests = {r: s for r, s in live.items() if r not in so.finished_req_ids}
+    for req_id in so.preempted_req_ids or ():  # vLLM freed their blocks
+        if req_id in requests:
+            requests[req_id] = dataclasses.replace(requests[req_id], block_ids=())
+    computed: dict[str, int] = {}  # the scheduler's count, per request of this step
+    for new in so.scheduled_new_reqs:
+        if new.req_id in requests:
+            raise ValueError(f"scheduled_new_reqs: {new.req_id!r} is already running")
+        requests[new.req_id] = admit(new, limits)
+        computed[new.req_id] = new.num_computed_tokens
+    cached = so.scheduled_cached_reqs
+    n = len(cached.req_ids)
+    if len(cached.new_block_ids) != n or len(cached.num_computed_tokens) != n:
+        raise ValueError(f"scheduled_cached_reqs: {n} req_ids but "
+                         f"{len(cached.new_block_ids)} new_block_ids and "
+                         f"{len(cached.num_computed_tokens)} num_computed_tokens")
+    strays = sorted(set(cached.resumed_req_ids) - set(cached.req_ids))
+    if strays:
+        raise ValueError(f"resumed_req_ids: {strays} are not among scheduled_cached_reqs.req_ids")
+    for i, req_id in enumerate(cached.req_ids):
+        if req_id not in requests:
+            raise ValueError(f"scheduled_cached_reqs: unknown request id {req_id!r}")
+        if req_id in computed:
+            raise ValueError(f"scheduled_cached_reqs: {req_id!r} is listed twice in one step")
+        state = update(requests[req_id], req_id, cached, i, limits)
+        count = cached.num_computed_tokens[i]
+        # a running request continues where this runner stopped; a resumed one restarts
+        # from the scheduler's (new) hit
+        if req_id not in cached.resumed_req_ids and count != state.num_computed:
+            raise ValueError(f"num_computed_tokens: {req_id!r} has {count!r} by the "
+                             f"scheduler's count, but this runner computed {state.num_computed}")
+        requests[req_id], computed[req_id] = state, count
+    req_ids = list(so.num_scheduled_tokens)
+    unknown = [r for r in req_ids if r not in requests]
+    if unknown:
+        raise ValueError(f"num_scheduled_tokens: unknown request ids {unknown}")
+    missing = [r for r in req_ids if r not in computed]
+    if missing:
+        raise ValueError(f"num_scheduled_tokens: {missing} are neither new nor cached "
+                         "requests of this step")
+    unscheduled = [r for r in computed if r not in so.num_scheduled_tokens]
+    if unscheduled:
+        raise ValueError(f"num_scheduled_tokens: {unscheduled} are requests of this step "
+                         "with no tokens scheduled")
+    if not req_ids:
+        return StepPlan(requests, req_ids, None)
+    meta = _metadata(requests, req_ids, computed, so, limits)
+    _check_block_owners(requests, meta)
+    if len(meta.sample_req_ids) > limits.max_sampling_rows:
+        raise ValueError(f"num_scheduled_tokens: {len(meta.sample_req_ids)} requests sample "
+                         f"in this step, more than max_num_seqs={limits.max_sampling_rows}")
+    for s, r in enumerate(req_ids):  # after this forward, its K/V reach seq_lens[s]
+        requests[r] = dataclasses.replace(requests[r], num_computed=int(meta.attn.seq_lens_host[s]))
+    return StepPlan(requests, req_ids, meta)
+
+
+def with_sampled(requests: Mapping[str, RequestState],
+                 sampled: Mapping[str, int]) -> dict[str, RequestState]:
+    """The states with each sampled token appended to its request's output."""
+    return {r: dataclasses.replace(s, output_token_ids=(*s.output_token_ids, sampled[r]))
+            if r in sampled else s for r, s in requests.items()}
+
+
+def _metadata(requests: Mapping[str, RequestState], req_ids: list[str],
+              computed: Mapping[str, int], so: SchedulerOutput, limits: Limits) -> BatchMetadata:
+    scheduled = [
+        ScheduledRequest(
+            req_id=r,
+            token_ids=requests[r].token_ids,
+            num_prompt_tokens=len(requests[r].prompt_token_ids),
+            num_computed_tokens=computed[r],
+            num_scheduled_tokens=so.num_scheduled_tokens[r],
+            block_ids=requests[r].block_ids,
+        )
+        for r in req_ids
+    ]
+    meta = build_batch_metadata(scheduled, limits.block_size, limits.num_blocks,
+                                vocab_size=limits.vocab_size)
+    if so.total_num_scheduled_tokens != meta.num_tokens:
+        raise ValueError(f"total_num_scheduled_tokens: {so.total_num_scheduled_tokens!r}, "
+                         f"but num_scheduled_tokens sums to {meta.num_tokens}")
+    return meta
+
+
+def _check_block_owners(requests: Mapping[str, RequestState], meta: BatchMetadata) -> None:
+    """A block this forward writes belongs to its writer: no live request outside the forward
+    may hold it (vLLM hands out only free blocks to write; within the forward, the metadata
+    checked every shared read)."""
+    written = np.unique(meta.slot_mapping_host // meta.attn.block_size)
+    in_forward = set(meta.req_ids)
+    for req_id, state in requests.items():
+        if req_id in in_forward or not state.block_ids:
+            continue
+        held = np.intersect1d(written, state.block_ids)
+        if held.size:
+            raise ValueError(f"block_ids: this step writes block {int(held[0])}, which "
+                             f"running request {req_id!r} holds")

@@ -1,0 +1,61 @@
+"""Warm-up: real forwards and sampling before the first request.
+
+One-time costs (kernel builds, MLX's compiled scatter, the sampler's compiled helpers) are
+paid here rather than in the first request's latency. The warm-up writes only into blocks that
+no request can own yet and keeps no request state.
+"""
+
+from __future__ import annotations
+
+import mlx.core as mx
+from vllm.sampling_params import SamplingParams
+
+from .kv_cache import PagedKVCache
+from .metadata import ScheduledRequest, build_batch_metadata
+from .runner import PagedModelRunner
+from .vllm_sampling import BatchSampler, SamplingRow, make_generator
+
+
+def warm_up_limit(cache: PagedKVCache) -> int:
+    """The longest prefill `warm_up` can run in this cache: its two requests (the prefill,
+    and a decode row one token longer) each need their own blocks."""
+    return cache.num_blocks // 2 * cache.block_size - 1
+
+
+def warm_up(runner: PagedModelRunner, sampler: BatchSampler, num_tokens: int) -> None:
+    """A `num_tokens` prefill and a decode row, two decode rows alone, then the prefill again
+    with its first half cached; and their sampling, greedy and at random with penalties and
+    logprobs."""
+    cache, vocab = runner.kv_cache, runner.vocab_size
+    per_request = -(-(num_tokens + 1) // cache.block_size)
+    if 2 * per_request > cache.num_blocks:
+        raise ValueError(f"num_tokens: a warm-up of {num_tokens} tokens needs "
+                         f"{2 * per_request} blocks, the cache has {cache.num_blocks}")
+    tokens = [i % vocab for i in range(num_tokens + 1)]
+
+    def forward(*requests: ScheduledRequest) -> mx.array:
+        meta = build_batch_metadata(list(requests), cache.block_size, cache.num_blocks,
+                                    vocab_size=vocab)
+        logits = runner.forward(meta)
+        mx.eval(logits, cache.arrays())
+        return logits
+
+    # Every other block: a long prefill's rows then land in many runs of slots, so its
+    # cache writes take the scatter (MLX's CUDA backend compiles its scatter kernels with
+    # NVRTC on first use), while the decode rows' two runs take the slice updates.
+    first, second = list(range(0, 2 * per_request, 2)), list(range(1, 2 * per_request, 2))
+    logits = forward(
+        ScheduledRequest("warmup-prefill", tokens[:num_tokens], num_tokens, 0, num_tokens, first),
+        ScheduledRequest("warmup-decode", tokens, num_tokens, num_tokens, 1, second))
+    # decode rows alone, as most serving steps are (their own tile plans and MLX kernels)
+    forward(*(ScheduledRequest(f"warmup-decode-{i}", tokens, num_tokens, num_tokens, 1, part)
+              for i, part in enumerate((first, second))))
+    hit = num_tokens // 2 // cache.block_size * cache.block_size
+    if hit:  # the cached-prefix path too: the prompt again, its first half read back
+        forward(ScheduledRequest("warmup-hit", tokens[:num_tokens], num_tokens, hit,
+                                 num_tokens - hit, first))
+    varied = SamplingParams(temperature=0.8, top_p=0.9, top_k=20, min_p=0.05, seed=0,
+                            repetition_penalty=1.1, logprobs=2)
+    rows = [SamplingRow(SamplingParams(temperature=0.0), tokens[:num_tokens], [], None),
+            SamplingRow(varied, tokens[:num_tokens], [tokens[-1]], make_generator(varied))]
+    sampler.sample(logits, rows)
