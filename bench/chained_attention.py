@@ -1,6 +1,6 @@
 """Attention timed as layers run it: each call's output is the next call's q.
 
-    python bench/chained_attention.py --out chained.json [--only C4096_Lq16,...]
+    python -m bench.chained_attention --out chained.json [--only C4096_Lq16,...]
 
 `bench/attention_sweep.py` evaluates many independent calls at once, and MLX's CUDA backend
 may run independent launches side by side: a launch that fills a fraction of the GPU (cuDNN's
@@ -11,8 +11,7 @@ as the sweep but mixed8 (the output of one call must be the next's q: single seq
 decode batches, whose ceiling is one batched SDPA call).
 
 Paths: ceiling = SDPA on contiguous K/V; kernel = the paged kernel as planned; auto = the
-dispatcher's choice for a shape asked for before; and where the kernel plans 128-row tiles,
-kernel_w16 = the same plan with 16-row warps (eight warps a tile) against the default 32.
+dispatcher's choice for a shape asked for before.
 
 On CUDA the same chains are timed on the GPU alone too (bench/gpu_time.py: no host cost),
 cycling through copies of the case whose K/V together exceed twice the L2, as a forward's
@@ -24,20 +23,15 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import sys
 import time
 from pathlib import Path
 
 import mlx.core as mx
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-from attention_sweep import GEOMETRY, make_case, point_cost, sweep_points  # noqa: E402
-from gpu_time import gpu_us  # noqa: E402
-
-from jit_kernels import available_backends  # noqa: E402
-from paged_prefix.dispatch import Dispatcher  # noqa: E402
+from bench.attention_sweep import GEOMETRY, make_case, point_cost, sweep_points
+from bench.gpu_time import gpu_us
+from jit_kernels import available_backends
+from paged_prefix.dispatch import Dispatcher
 
 L2_BYTES = 50 * 2**20  # H100 / H200
 MAX_COPIES = 32
@@ -81,12 +75,6 @@ def run_point(point, backend) -> dict:
     row["kernel"] = chained_us(lambda x: kernel.launch(x, case.k_cache, case.v_cache, tables,
                                                        plan), case.q)
     row["block_m"], row["items"] = plan.block_m, plan.tiles.num_items
-    if plan.block_m == 128:
-        narrow = type(kernel)()
-        narrow.warp_m_128 = 16
-        plan16 = narrow.plan(cu, lens, g)
-        row["kernel_w16"] = chained_us(lambda x: narrow.launch(x, case.k_cache, case.v_cache,
-                                                               tables, plan16), case.q)
     dispatcher = Dispatcher("auto")
     dispatcher.plan(m, g)
     auto = dispatcher.plan(m, g)
@@ -142,15 +130,14 @@ def main() -> None:
               and (only is None or p.name in only)]
     rows = []
     gpu = backend.attention.name == "cuda"
-    print(f"{'point':<14}{'ceiling us':>11}{'kernel us':>11}{'w16 us':>9}{'auto us':>10}"
+    print(f"{'point':<14}{'ceiling us':>11}{'kernel us':>11}{'auto us':>10}"
           f"{'auto/ceil':>10}  {'auto path':<10}"
           + (f"{'GPU alone: ceil us':>19}{'kern us':>9}{'auto us':>9}{'auto/ceil':>10}"
              f"{'kern GB/s':>10}" if gpu else ""), flush=True)
     for point in points:
         r = run_point(point, backend)
         rows.append(r)
-        w16 = f"{r['kernel_w16']:9.1f}" if "kernel_w16" in r else f"{'-':>9}"
-        line = (f"{r['point']:<14}{r['ceiling']:11.1f}{r['kernel']:11.1f}{w16}{r['auto']:10.1f}"
+        line = (f"{r['point']:<14}{r['ceiling']:11.1f}{r['kernel']:11.1f}{r['auto']:10.1f}"
                 f"{r['auto_over_ceiling']:10.2f}  {r['auto_path']:<10}")
         if gpu:
             q = r["gpu"]

@@ -1,6 +1,6 @@
 """The Hopper (wgmma) paged kernel against the mma.sync one, side by side (CUDA, sm_90).
 
-    python bench/wgmma_vs_mma.py [--out wgmma_vs_mma.json]
+    python -m bench.probes.wgmma_vs_mma [--out wgmma_vs_mma.json]
 
 The sweep's geometry (H=32, Hkv=8, D=128, bf16, block 16, pages shuffled), one sequence of Lq
 new tokens over C cached ones. Per path (ceiling = cuDNN on contiguous K/V, mma =
@@ -19,20 +19,15 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 from pathlib import Path
 
 import mlx.core as mx
 import numpy as np
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-from attention_sweep import GEOMETRY, Point, ceiling_fn, make_case, point_cost, time_per_call  # noqa: E402
-from chained_attention import ceiling_gpu_us, copies_past_l2  # noqa: E402
-from gpu_time import gpu_us, gpu_us_together  # noqa: E402
-
-from jit_kernels import cuda_paged_attention, hopper_paged_attention  # noqa: E402
+from bench.attention_sweep import GEOMETRY, Point, ceiling_fn, make_case, point_cost, time_per_call
+from bench.chained_attention import ceiling_gpu_us, copies_past_l2
+from bench.gpu_time import gpu_us, gpu_us_together
+from jit_kernels import cuda_paged_attention, hopper_paged_attention
 
 POINTS = [(c, lq) for lq in (16, 64) for c in (0, 1024, 4096, 16384)] + \
     [(4096, 128), (16384, 128), (0, 512), (4096, 512), (16384, 512)]

@@ -1,6 +1,6 @@
 """Can a paged kernel load its K/V pages with Hopper's tensor memory accelerator (TMA) from MLX?
 
-    python bench/tma_probe.py [--out tma_probe.json]      # CUDA, sm_90 (H100, H200)
+    python -m bench.probes.tma_probe [--out tma_probe.json]      # CUDA, sm_90 (H100, H200)
 
 A TMA load reads a tile through a tensor map: 128 bytes the driver encodes on the host
 (`cuTensorMapEncodeTiled`), holding the tensor's device address. MLX hands a kernel its arrays'
@@ -21,18 +21,13 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 from pathlib import Path
 
 import mlx.core as mx
 import numpy as np
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-from gpu_time import gpu_us_together  # noqa: E402
-
-from jit_kernels import hopper_paged_attention, nvrtc, support, tma  # noqa: E402
+from bench.gpu_time import gpu_us_together
+from jit_kernels import hopper_paged_attention, nvrtc, support, tma
 
 HEAD_DIM, KV_HEADS = 128, 8
 PAGES_PER_BLOCK = 16

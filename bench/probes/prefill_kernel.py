@@ -1,6 +1,6 @@
 """The Hopper prefill kernel against gather + SDPA, the wgmma kernel and contiguous cuDNN.
 
-    python bench/prefill_kernel.py [--out prefill_kernel.json] [--points C4096_Lq512,...]
+    python -m bench.probes.prefill_kernel [--out prefill_kernel.json] [--points C4096_Lq512,...]
                                    [--chained]                 # sm_90 (H100, H200)
 
 Single sequences, H=32, Hkv=8, D=128, bf16, block 16, pages shuffled (attention_sweep's
@@ -17,20 +17,15 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 from pathlib import Path
 
 import mlx.core as mx
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-from attention_sweep import GEOMETRY, GPU_CALLS, Point, make_case, path_fns, point_cost, point_named  # noqa: E402
-from chained_attention import ceiling_gpu_us, copies_past_l2  # noqa: E402
-from gpu_time import gpu_us, gpu_us_together  # noqa: E402
-
-from jit_kernels import available_backends, hopper_paged_attention  # noqa: E402
-from jit_kernels.contiguous_sdpa import attend, plan_sdpa  # noqa: E402
+from bench.attention_sweep import GEOMETRY, GPU_CALLS, Point, make_case, path_fns, point_cost, point_named
+from bench.chained_attention import ceiling_gpu_us, copies_past_l2
+from bench.gpu_time import gpu_us, gpu_us_together
+from jit_kernels import available_backends, hopper_paged_attention
+from jit_kernels.contiguous_sdpa import attend, plan_sdpa
 
 POINTS = [f"C{c}_Lq{q}" for c, q in (
     (512, 256), (1024, 256), (2048, 256), (4096, 256), (16384, 256), (1024, 512), (2048, 512),

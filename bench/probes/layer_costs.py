@@ -1,6 +1,6 @@
 """Where one attention layer of the paged runner spends its time, next to mlx-lm's.
 
-    python bench/layer_costs.py [--head-dim 128|64] [--out layer_costs.json]
+    python -m bench.probes.layer_costs [--head-dim 128|64] [--out layer_costs.json]
 
 Times (us per call, many independent calls per mx.eval) the pieces that differ between the
 paged path and mlx-lm's contiguous cache, at H=32, Hkv=8, bf16 and D=128 (Llama-3-8B) or 64
@@ -13,29 +13,25 @@ paged path and mlx-lm's contiguous cache, at H=32, Hkv=8, bf16 and D=128 (Llama-
   rope/...        RoPE with one offset per token (the packed batch) vs one scalar offset;
   write/...       the paged cache's write of K and V to contiguous slots (slice updates) and
                   to shuffled ones (scatter) vs mlx-lm's slice update of its K buffer;
-  gather/u<N>     the page-gather kernel with N loads in flight per thread (GB/s read + write).
+  gather          the page-gather kernel over 16384 keys in shuffled pages (GB/s read + write).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import sys
 from pathlib import Path
 
 import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from attention_sweep import time_per_call  # noqa: E402
-
-from jit_kernels import available_backends, page_gather  # noqa: E402
-from jit_kernels.contiguous_sdpa import plan_sdpa, sdpa_attention  # noqa: E402
-from jit_kernels.page_gather import PageGather, plan_gather  # noqa: E402
-from jit_kernels.support import Geometry  # noqa: E402
-from paged_prefix.kv_cache import PagedKVCache  # noqa: E402
+from bench.attention_sweep import time_per_call
+from jit_kernels import available_backends
+from jit_kernels.contiguous_sdpa import plan_sdpa, sdpa_attention
+from jit_kernels.page_gather import plan_gather
+from jit_kernels.support import Geometry
+from paged_prefix.kv_cache import PagedKVCache
 
 H, HKV, D, BS, DTYPE = 32, 8, 128, 16, mx.bfloat16
 SHAPES = [(4096, 0), (512, 16384), (2048, 14336)]  # (Lq, cached tokens)
@@ -130,12 +126,9 @@ def main() -> None:
         table = mx.array(np.random.default_rng(0).permutation(num_blocks)[None, : n // BS]
                          .astype(np.int32))
         mx.eval(kc, vc, table)
-        for unroll in (4, 8):
-            page_gather.UNROLL = unroll  # read by the plan's launch and the kernel's name
-            plan = plan_gather(np.array([n]), [0], BS, HKV, D, DTYPE)
-            gather = PageGather(backend.name, backend.gather._factory)
-            record(f"gather/C{n}/u{unroll}", lambda g=gather, p=plan: g(kc, vc, table, p),
-                   nbytes=2 * 2 * n * HKV * D * 2)
+        plan = plan_gather(np.array([n]), [0], BS, HKV, D, DTYPE)
+        record(f"gather/C{n}", lambda g=backend.gather, p=plan: g(kc, vc, table, p),
+               nbytes=2 * 2 * n * HKV * D * 2)
     Path(args.out).write_text(json.dumps(rows, indent=1))
 
 

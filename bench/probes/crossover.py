@@ -1,6 +1,6 @@
 """Where SDPA overtakes the paged kernel: the evidence for `rules.CUDA_SDPA_MIN_Q` (CUDA).
 
-    python bench/crossover.py [--out crossover.json]
+    python -m bench.probes.crossover [--out crossover.json]
 
 One sequence of Lq new tokens over C cached ones, pages shuffled (the sweep's geometry), Lq
 between the sweep's 64 and 512. Both paths as layers run them: `kernel` = the paged kernel as
@@ -14,20 +14,15 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 from pathlib import Path
 
 import mlx.core as mx
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-from attention_sweep import GEOMETRY, Point, make_case  # noqa: E402
-from chained_attention import chained_us, copies_past_l2  # noqa: E402
-from gpu_time import gpu_us  # noqa: E402
-
-from jit_kernels import available_backends  # noqa: E402
-from jit_kernels.contiguous_sdpa import attend, plan_sdpa  # noqa: E402
+from bench.attention_sweep import GEOMETRY, Point, make_case
+from bench.chained_attention import chained_us, copies_past_l2
+from bench.gpu_time import gpu_us
+from jit_kernels import available_backends
+from jit_kernels.contiguous_sdpa import attend, plan_sdpa
 
 CONTEXTS = (0, 1024, 4096, 16384)
 Q_LENS = (128, 256, 512)

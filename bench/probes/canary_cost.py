@@ -1,6 +1,6 @@
 """One-time cost of the first-use check (canary) per kernel variant, on this machine's backend.
 
-    python bench/canary_cost.py [--out canary.json]
+    python -m bench.probes.canary_cost [--out canary.json]
 
 For each variant: the first `Dispatcher.plan` of a process, which checks every kernel of the
 backend (the paged kernel at each tile height, then the page gather: compiles + the canary
@@ -19,12 +19,10 @@ from pathlib import Path
 
 import mlx.core as mx
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from jit_kernels import available_backends  # noqa: E402
-from jit_kernels.support import Geometry  # noqa: E402
-from paged_prefix.dispatch import Dispatcher  # noqa: E402
-from paged_prefix.metadata import build_attention_metadata  # noqa: E402
+from jit_kernels import available_backends
+from jit_kernels.support import Geometry
+from paged_prefix.dispatch import Dispatcher
+from paged_prefix.metadata import build_attention_metadata
 
 VARIANTS = [(mx.bfloat16, 128, 4, 16), (mx.float16, 128, 4, 16), (mx.bfloat16, 64, 4, 16),
             (mx.bfloat16, 128, 8, 32), (mx.float16, 64, 1, 8)]
