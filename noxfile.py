@@ -45,7 +45,7 @@ def metal_emulated(session):
 @nox.session(python=PYTHON)
 def demo(session):
     install(session, "bench")
-    session.run("python", "bench/ttft_demo.py", *session.posargs)
+    session.run("python", "-m", "bench.ttft_demo", *session.posargs)
 
 
 @nox.session(python=PYTHON)
@@ -61,7 +61,7 @@ def bench(session):
 def serve_bench(session):
     """`vllm serve` + `vllm bench serve --dataset-name prefix_repetition`, caching off vs on."""
     install(session, "serve", "bench")
-    session.run("python", "bench/serve_bench.py", *session.posargs)
+    session.run("python", "-m", "bench.serve_bench", *session.posargs)
 
 
 @nox.session(python=PYTHON)
@@ -91,4 +91,4 @@ def metal(session):
     _gpu_session(session, "metal", ["mlx==0.32.4"])
     session.env["PAGED_PREFIX_STRICT_KERNELS"] = "1"
     session.run("pytest", "-m", "gpu", "tests", *session.posargs)
-    session.run("python", "bench/attention_sweep.py", "--out", "results/sweep-metal.json")
+    session.run("python", "-m", "bench.attention_sweep", "--out", "results/sweep-metal.json")

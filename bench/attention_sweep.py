@@ -1,6 +1,6 @@
 """Paged-prefill attention sweep: every path against the contiguous-SDPA ceiling.
 
-    python bench/attention_sweep.py --out sweep.json [--quick] [--only C4096_Lq16,...]
+    python -m bench.attention_sweep --out sweep.json [--quick] [--only C4096_Lq16,...]
 
 Points: H=32, Hkv=8, D=128, bf16, block 16, pages shuffled; context C in {0, 1024, 4096,
 16384} x new tokens Lq in {1 (a batch of 32 decode rows, each with context C), 16, 64, 512,
@@ -28,24 +28,18 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import sys
 import time
 from dataclasses import dataclass
-from pathlib import Path
 
 import mlx.core as mx
 import numpy as np
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-from gpu_time import gpu_us_together  # noqa: E402
-
-import reference  # noqa: E402
-from jit_kernels import ContiguousSdpa, GatheredSdpa, available_backends  # noqa: E402
-from jit_kernels.geometry import Geometry  # noqa: E402
-from paged_prefix.dispatch import Dispatcher  # noqa: E402
-from paged_prefix.metadata import AttentionMetadata, build_attention_metadata  # noqa: E402
+import reference
+from bench.gpu_time import gpu_us_together
+from jit_kernels import ContiguousSdpa, GatheredSdpa, available_backends
+from jit_kernels.geometry import Geometry
+from paged_prefix.dispatch import Dispatcher
+from paged_prefix.metadata import AttentionMetadata, build_attention_metadata
 
 HEADS, KV_HEADS, HEAD_DIM, BLOCK_SIZE, DTYPE = 32, 8, 128, 16, mx.bfloat16
 GEOMETRY = Geometry(HEADS, KV_HEADS, HEAD_DIM, BLOCK_SIZE, DTYPE, HEAD_DIM ** -0.5)

@@ -1,6 +1,6 @@
 """Attention timed as layers run it: each call's output is the next call's q.
 
-    python bench/chained_attention.py --out chained.json [--only C4096_Lq16,...]
+    python -m bench.chained_attention --out chained.json [--only C4096_Lq16,...]
 
 `bench/attention_sweep.py` evaluates many independent calls at once, and MLX's CUDA backend
 may run independent launches side by side: a launch that fills a fraction of the GPU (cuDNN's
@@ -23,20 +23,15 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import sys
 import time
 from pathlib import Path
 
 import mlx.core as mx
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-from attention_sweep import GEOMETRY, make_case, point_cost, sweep_points  # noqa: E402
-from gpu_time import gpu_us  # noqa: E402
-
-from jit_kernels import available_backends  # noqa: E402
-from paged_prefix.dispatch import Dispatcher  # noqa: E402
+from bench.attention_sweep import GEOMETRY, make_case, point_cost, sweep_points
+from bench.gpu_time import gpu_us
+from jit_kernels import available_backends
+from paged_prefix.dispatch import Dispatcher
 
 L2_BYTES = 50 * 2**20  # H100 / H200
 MAX_COPIES = 32

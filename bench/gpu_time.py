@@ -18,7 +18,7 @@ release) / calls: a throughput, not a latency.
 MLX keeps at most ~10 command buffers of 20 launches in flight before the host waits, so n is
 capped at MAX_CALLS: the host must have launched the whole chain before the hold lets go.
 
-    python bench/gpu_time.py   # checks the method: chains of x * 2 of known size, the SM clock
+    python -m bench.gpu_time   # checks the method: chains of x * 2 of known size, the SM clock
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """Table and plot of the end-to-end prefill benchmark: bench/test_bench_prefill.py's
 pytest-benchmark JSON, or bench/prefill_interleaved.py's.
 
-    python bench/plot_prefill.py results/cuda/prefill.json [--out prefill.png]
+    python -m bench.plot_prefill results/cuda/prefill.json [--out prefill.png]
 
 Prints, per model, prompt and hit, the median of mlx-lm's contiguous cache and of each paged
 path with its ratio to mlx-lm, and plots the ratios.

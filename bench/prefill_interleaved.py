@@ -1,9 +1,10 @@
 """Paged prefill vs mlx-lm's contiguous prompt cache, steps interleaved round by round.
 
-    python bench/prefill_interleaved.py [--shape llama-1b:4096] [--budget-s 3] [--out x.json]
+    python -m bench.prefill_interleaved [--shape llama-1b:4096] [--budget-s 3] [--out x.json]
 
-The same steps as bench/test_bench_prefill.py, but each round runs one step of every
-implementation in turn, so drift of the machine (clocks, other load) falls on all of them alike.
+The same steps as bench/test_bench_prefill.py (bench/prefill_setup.py's mlx-lm, auto and
+auto-scattered), but each round runs one step of every implementation in turn, so drift of the
+machine (clocks, other load) falls on all of them alike.
 Short steps (a few ms, mostly host work) move 10-30% between pytest-benchmark rows measured a
 minute apart on a GPU host; interleaved medians move far less.
 """
@@ -13,14 +14,10 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-from test_bench_prefill import HIT_FRACTIONS, SHAPES, hit_tokens, setup_for  # noqa: E402
+from bench.prefill_setup import HIT_FRACTIONS, SHAPES, hit_tokens, setup_for
 
 
 def main() -> None:
@@ -53,10 +50,10 @@ def main() -> None:
                     step()
                     times[impl].append((time.perf_counter() - t0) * 1e3)
             row = {"model": name, "prompt_len": prompt_len, "hit": hit, "rounds": rounds,
-                   "path": s.runner.dispatcher.last.path,
+                   "path": steps["auto"].runner.dispatcher.last.path,
                    **{f"{impl}_ms": statistics.median(t) for impl, t in times.items()}}
             row["auto_over_mlx_lm"] = row["auto_ms"] / row["mlx-lm_ms"]
-            row["scattered_path"] = s.runners["scattered"].dispatcher.last.path
+            row["scattered_path"] = steps["auto-scattered"].runner.dispatcher.last.path
             row["scattered_over_mlx_lm"] = row["auto-scattered_ms"] / row["mlx-lm_ms"]
             rows.append(row)
             print(json.dumps(row), flush=True)

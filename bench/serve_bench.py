@@ -23,11 +23,9 @@ import subprocess
 import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
-from bench.vllm_server import VLLM_CLI, VllmServer, metric_total  # noqa: E402
-from paged_prefix.convert_smollm2 import models_root, smollm2_folder  # noqa: E402
-from paged_prefix.models import write_folder  # noqa: E402
+from bench.vllm_server import VLLM_CLI, VllmServer, metric_total
+from paged_prefix.convert_smollm2 import models_root, smollm2_folder
+from paged_prefix.models import write_folder
 
 SETTINGS = {"off": "--no-enable-prefix-caching", "on": "--enable-prefix-caching"}
 

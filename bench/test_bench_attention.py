@@ -10,8 +10,8 @@ from __future__ import annotations
 
 import mlx.core as mx
 import pytest
-from attention_sweep import DTYPE, make_case, path_fns, point_cost, sweep_points
 
+from bench.attention_sweep import DTYPE, make_case, path_fns, point_cost, sweep_points
 from jit_kernels import available_backends
 from tests.conftest import assert_close
 

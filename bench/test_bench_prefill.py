@@ -1,45 +1,20 @@
 """pytest-benchmark: one prompt's prefill, paged runner vs mlx-lm's contiguous prompt cache.
 
-Side by side in one run, same weights and tokens: for each model and prompt length, the prompt
-with 0%, 50%, 87.5% and 90% of it already cached (hits rounded down to whole blocks, as vLLM's
-scheduler hands them out), prefilled by
+The cases and implementations are bench/prefill_setup.py's (mlx-lm, auto, auto-scattered, and on
+a GPU sdpa and kernel with the path forced); one benchmark group per model, prompt and hit.
 
-  mlx-lm    mlx-lm's own model and KVCache: the prefix prefilled once, then the suffix forwarded
-            (hidden states, the vocabulary projection of the last row only) and trimmed again;
-  auto      the paged runner, attention path chosen by the dispatcher, the prompt's pages one
-            run of consecutive blocks (as vLLM's allocator hands them to a lone request: SDPA
-            reads a cached prefix in place);
-  auto-scattered  the same over pages in shuffled blocks (what a busy server's tables look
-            like: a cached prefix is gathered);
-  sdpa / kernel   the paged runner with the path forced (GPU only), to re-measure the rule.
-
-Both evaluate the logits and every cache write. With a GPU kernel backend the shapes are a
-1.1B Llama config at 4096 tokens and Llama-3-8B's shape at 4096 and 16384 (bf16); on the CPU,
-the demo model at 512 tokens (fp32), where only the ratios mean anything.
+    pytest bench/test_bench_prefill.py --benchmark-only --benchmark-json=prefill.json
 """
 
 from __future__ import annotations
 
 import time
 
-import mlx.core as mx
-import numpy as np
 import pytest
-from mlx_lm.models.cache import make_prompt_cache
 
+from bench.prefill_setup import GPU, HIT_FRACTIONS, SHAPES, hit_tokens, setup_for
 from jit_kernels import available_backends
-from paged_prefix.dispatch import Dispatcher
-from paged_prefix.kv_cache import PagedKVCache
-from paged_prefix.metadata import ScheduledRequest, build_batch_metadata
-from paged_prefix.models import build_model, resolve_config
-from paged_prefix.runner import PagedModelRunner
 
-GPU = bool(available_backends())
-BLOCK_SIZE = 16
-SHAPES = [("llama-1b", 4096), ("llama-8b", 4096), ("llama-8b", 16384)] if GPU else \
-    [("llama-tiny", 512)]
-DTYPE = mx.bfloat16 if GPU else mx.float32
-HIT_FRACTIONS = (0.0, 0.5, 0.875, 0.9)
 IMPLS = ("mlx-lm", "auto", "auto-scattered", "sdpa", "kernel") if GPU else (
     "mlx-lm", "auto", "auto-scattered")
 # Short steps (a few ms, mostly host work) move 10-30% from run to run on a GPU: each row gets
@@ -57,79 +32,6 @@ def rounds_for(step) -> int:
     return max(MIN_ROUNDS, min(MAX_ROUNDS, int(ROUND_BUDGET_S / (time.perf_counter() - t0))))
 
 
-def hit_tokens(prompt_len: int, fraction: float) -> int:
-    return int(prompt_len * fraction) // BLOCK_SIZE * BLOCK_SIZE
-
-
-class Setup:
-    """One model's weights shared by an unpatched mlx-lm model and two paged runners, one per
-    page layout (each its own cache, plan and slots kept from step to step)."""
-
-    def __init__(self, name: str, prompt_len: int):
-        cfg = resolve_config(name)
-        self.name, self.prompt_len = name, prompt_len
-        self.dense = build_model(cfg, DTYPE)
-        rng = np.random.default_rng(0)
-        self.prompt = rng.integers(3, cfg["vocab_size"], prompt_len).tolist()
-        n = -(-prompt_len // BLOCK_SIZE)
-        self.blocks = {"run": list(range(1, n + 1)),
-                       "scattered": rng.permutation(np.arange(1, n + 1)).tolist()}
-        self.runners = {}
-        for layout in self.blocks:
-            paged = build_model(cfg, DTYPE, evaluate=False)
-            paged.update(self.dense.parameters())  # the same arrays, not a copy
-            kv = PagedKVCache(cfg["num_hidden_layers"], n + 1, BLOCK_SIZE,
-                              cfg["num_key_value_heads"], cfg["head_dim"], DTYPE)
-            self.runners[layout] = PagedModelRunner(paged, kv)
-            # Fill the paged cache once so a hit reads real prefix K/V; timed rounds rewrite
-            # the same suffix slots with the same values.
-            self.runners[layout].greedy(self.meta(0, layout))
-        self.runner = self.runners["run"]
-        self.cache = make_prompt_cache(self.dense)
-
-    def meta(self, hit: int, layout: str = "run"):
-        blocks = self.blocks[layout]
-        return build_batch_metadata([ScheduledRequest(
-            "r", self.prompt, self.prompt_len, hit, self.prompt_len - hit, blocks)],
-            BLOCK_SIZE, len(blocks) + 1)
-
-    def mlx_lm_prefill(self, hit: int):
-        """Prefill the prefix into mlx-lm's cache (untimed); returns the timed suffix step."""
-        for c in self.cache:
-            c.trim(c.offset)
-        if hit:
-            self.dense.model(mx.array([self.prompt[:hit]]), cache=self.cache)
-            mx.eval([c.state for c in self.cache])
-        suffix = mx.array([self.prompt[hit:]])
-
-        def step():
-            hidden = self.dense.model(suffix, cache=self.cache)
-            logits = self.dense.lm_head(hidden[:, -1])
-            mx.eval(logits, [c.state for c in self.cache])
-            for c in self.cache:
-                c.trim(self.prompt_len - hit)
-        return step
-
-    def paged_prefill(self, hit: int, path: str, layout: str = "run"):
-        runner, meta = self.runners[layout], self.meta(hit, layout)
-        runner.dispatcher = Dispatcher(path)
-
-        def step():
-            mx.eval(runner.forward(meta), runner.kv_cache.arrays())
-        return step
-
-
-_SETUPS: dict[tuple, Setup] = {}
-
-
-def setup_for(name: str, prompt_len: int) -> Setup:
-    if (name, prompt_len) not in _SETUPS:
-        _SETUPS.clear()
-        mx.clear_cache()
-        _SETUPS[(name, prompt_len)] = Setup(name, prompt_len)
-    return _SETUPS[(name, prompt_len)]
-
-
 @pytest.mark.parametrize("impl", IMPLS)
 @pytest.mark.parametrize("fraction", HIT_FRACTIONS, ids=lambda f: f"hit{f:g}")
 @pytest.mark.parametrize("name, prompt_len", SHAPES, ids=[f"{n}-{p}" for n, p in SHAPES])
@@ -143,11 +45,11 @@ def test_prefill(benchmark, name, prompt_len, fraction, impl):
         hit, {"kernel": next(iter(available_backends()), "auto"),
               "auto-scattered": "auto"}.get(impl, impl), layout)
     benchmark.group = f"{name} {prompt_len} tokens, hit {hit}"
-    runner = s.runners[layout]
-    before = runner.stats.tokens_computed
+    runner = None if impl == "mlx-lm" else step.runner
+    before = runner.stats.tokens_computed if runner else 0
     rounds = rounds_for(step)
     benchmark.pedantic(step, rounds=rounds, warmup_rounds=1)
-    if impl != "mlx-lm":
+    if runner:
         assert runner.stats.tokens_computed - before == (rounds + 4) * (prompt_len - hit)
         benchmark.extra_info["path"] = runner.dispatcher.last.path
     benchmark.extra_info.update(model=name, prompt_len=prompt_len, hit=hit, impl=impl,

@@ -6,7 +6,7 @@ its own suffix_len-token suffix, output_len tokens generated greedily, prompts s
 all arriving at once by default (request rate inf). Each run uses a fresh engine and the
 same model weights; the tokens of the two runs must be identical.
 
-    python bench/ttft_demo.py [--model llama-tiny] [--out results/ttft]
+    python -m bench.ttft_demo [--model llama-tiny] [--out results/ttft]
 """
 
 from __future__ import annotations
@@ -20,10 +20,8 @@ from pathlib import Path
 
 import numpy as np
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from paged_prefix.engine import Engine, EngineConfig  # noqa: E402
-from paged_prefix.models import BUILTIN_CONFIGS, resolve_config  # noqa: E402
+from paged_prefix.engine import Engine, EngineConfig
+from paged_prefix.models import BUILTIN_CONFIGS, resolve_config
 
 
 def prefix_repetition(num_prefixes, prompts_per_prefix, prefix_len, suffix_len, vocab, seed):

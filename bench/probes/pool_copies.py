@@ -1,6 +1,6 @@
 """Steps over a large KV pool: step time, and steps whose writes copied a whole layer array.
 
-    python bench/pool_copies.py [--model llama-1b] [--blocks 65536] [--steps 50] [--out x.json]
+    python -m bench.probes.pool_copies [--model llama-1b] [--blocks 65536] [--steps 50] [--out x.json]
 
 MLX updates a cache array in place only when nothing else holds it; a write into an array that
 MLX still holds for work it sent earlier copies the whole array (1 GiB per K or V array of a
@@ -22,22 +22,17 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import sys
 import time
 from pathlib import Path
 
 import mlx.core as mx
 import numpy as np
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-from test_bench_prefill import BLOCK_SIZE, DTYPE, Setup  # noqa: E402
-
-from paged_prefix.dispatch import Dispatcher  # noqa: E402
-from paged_prefix.kv_cache import PagedKVCache  # noqa: E402
-from paged_prefix.metadata import ScheduledRequest, build_batch_metadata  # noqa: E402
-from paged_prefix.runner import PagedModelRunner  # noqa: E402
+from bench.prefill_setup import BLOCK_SIZE, DTYPE, Setup
+from paged_prefix.dispatch import Dispatcher
+from paged_prefix.kv_cache import PagedKVCache
+from paged_prefix.metadata import ScheduledRequest, build_batch_metadata
+from paged_prefix.runner import PagedModelRunner
 
 
 def decode_batch(rows: int, context: int, first_block: int, num_blocks: int):

@@ -1,6 +1,6 @@
 """Host time per MLX op on a GPU: what a short prefill's step pays for each op it builds.
 
-    python bench/host_ops.py
+    python -m bench.probes.host_ops
 
 Each line times a chain of 200 dependent tiny ops (the device work is negligible): `build` is
 the time to construct one op's lazy graph node in Python, `eval` the time MLX then spends per op

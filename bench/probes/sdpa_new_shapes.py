@@ -1,6 +1,6 @@
 """What a new attention shape costs on the SDPA path, and what that means for serving.
 
-    python bench/sdpa_new_shapes.py [--out new_shapes.json]
+    python -m bench.probes.sdpa_new_shapes [--out new_shapes.json]
 
 1. `mx.fast.scaled_dot_product_attention` (cuDNN on CUDA) at shapes this process has not run
    yet: the first call against the same call again (bf16, H=32, Hkv=8, D=64).
@@ -16,21 +16,18 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import sys
 import time
 from pathlib import Path
 
 import mlx.core as mx
 import numpy as np
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from jit_kernels import available_backends  # noqa: E402
-from paged_prefix.dispatch import Dispatcher  # noqa: E402
-from paged_prefix.kv_cache import PagedKVCache  # noqa: E402
-from paged_prefix.metadata import ScheduledRequest, build_batch_metadata  # noqa: E402
-from paged_prefix.models import build_model, resolve_config  # noqa: E402
-from paged_prefix.runner import PagedModelRunner  # noqa: E402
+from jit_kernels import available_backends
+from paged_prefix.dispatch import Dispatcher
+from paged_prefix.kv_cache import PagedKVCache
+from paged_prefix.metadata import ScheduledRequest, build_batch_metadata
+from paged_prefix.models import build_model, resolve_config
+from paged_prefix.runner import PagedModelRunner
 
 # none of them occurs in the serving pass, whose graphs must start unbuilt
 SHAPES = [(2000, 2000), (2001, 2001), (1000, 1000), (250, 2250), (500, 4000), (300, 2350)]

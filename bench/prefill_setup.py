@@ -1,0 +1,125 @@
+"""One prompt's prefill, paged runner vs mlx-lm's contiguous prompt cache: the shared setup of
+bench/test_bench_prefill.py (pytest-benchmark), bench/prefill_interleaved.py and
+bench/probes/pool_copies.py.
+
+Same weights and tokens on both sides. For each model and prompt length, the prompt with 0%,
+50%, 87.5% and 90% of it already cached (hits rounded down to whole blocks, as vLLM's
+scheduler hands them out), prefilled by
+
+  mlx-lm    mlx-lm's own model and KVCache: the prefix prefilled once, then the suffix forwarded
+            (hidden states, the vocabulary projection of the last row only) and trimmed again;
+  auto      the paged runner, attention path chosen by the dispatcher, the prompt's pages one
+            run of consecutive blocks (as vLLM's allocator hands them to a lone request: SDPA
+            reads a cached prefix in place);
+  auto-scattered  the same over pages in shuffled blocks (what a busy server's tables look
+            like: a cached prefix is gathered);
+  sdpa / kernel   the paged runner with the path forced (GPU only), to re-measure the rule.
+
+Both evaluate the logits and every cache write. With a GPU kernel backend the shapes are a
+1.1B Llama config at 4096 tokens and Llama-3-8B's shape at 4096 and 16384 (bf16); on the CPU,
+the demo model at 512 tokens (fp32), where only the ratios mean anything.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import mlx.core as mx
+import numpy as np
+from mlx_lm.models.cache import make_prompt_cache
+
+from jit_kernels import available_backends
+from paged_prefix.dispatch import Dispatcher
+from paged_prefix.kv_cache import PagedKVCache
+from paged_prefix.metadata import BatchMetadata, ScheduledRequest, build_batch_metadata
+from paged_prefix.models import build_model, resolve_config
+from paged_prefix.runner import PagedModelRunner
+
+GPU = bool(available_backends())
+BLOCK_SIZE = 16
+SHAPES = [("llama-1b", 4096), ("llama-8b", 4096), ("llama-8b", 16384)] if GPU else \
+    [("llama-tiny", 512)]
+DTYPE = mx.bfloat16 if GPU else mx.float32
+HIT_FRACTIONS = (0.0, 0.5, 0.875, 0.9)
+
+
+def hit_tokens(prompt_len: int, fraction: float) -> int:
+    return int(prompt_len * fraction) // BLOCK_SIZE * BLOCK_SIZE
+
+
+@dataclass
+class PagedStep:
+    """One timed step of a paged runner: the forward of a prepared batch, evaluated."""
+    runner: PagedModelRunner
+    meta: BatchMetadata
+
+    def __call__(self) -> None:
+        mx.eval(self.runner.forward(self.meta), self.runner.kv_cache.arrays())
+
+
+class Setup:
+    """One model's weights shared by an unpatched mlx-lm model and the paged runners, one
+    patched model and cache per page layout (`runners`: their default runners)."""
+
+    def __init__(self, name: str, prompt_len: int):
+        cfg = resolve_config(name)
+        self.name, self.prompt_len = name, prompt_len
+        self.dense = build_model(cfg, DTYPE)
+        rng = np.random.default_rng(0)
+        self.prompt = rng.integers(3, cfg["vocab_size"], prompt_len).tolist()
+        n = -(-prompt_len // BLOCK_SIZE)
+        self.blocks = {"run": list(range(1, n + 1)),
+                       "scattered": rng.permutation(np.arange(1, n + 1)).tolist()}
+        self.runners = {}
+        for layout in self.blocks:
+            paged = build_model(cfg, DTYPE, evaluate=False)
+            paged.update(self.dense.parameters())  # the same arrays, not a copy
+            kv = PagedKVCache(cfg["num_hidden_layers"], n + 1, BLOCK_SIZE,
+                              cfg["num_key_value_heads"], cfg["head_dim"], DTYPE)
+            self.runners[layout] = PagedModelRunner(paged, kv)
+            # Fill the paged cache once so a hit reads real prefix K/V; timed rounds rewrite
+            # the same suffix slots with the same values.
+            self.runners[layout].greedy(self.meta(0, layout))
+        self.runner = self.runners["run"]
+        self.cache = make_prompt_cache(self.dense)
+
+    def meta(self, hit: int, layout: str = "run"):
+        blocks = self.blocks[layout]
+        return build_batch_metadata([ScheduledRequest(
+            "r", self.prompt, self.prompt_len, hit, self.prompt_len - hit, blocks)],
+            BLOCK_SIZE, len(blocks) + 1)
+
+    def mlx_lm_prefill(self, hit: int):
+        """Prefill the prefix into mlx-lm's cache (untimed); returns the timed suffix step."""
+        for c in self.cache:
+            c.trim(c.offset)
+        if hit:
+            self.dense.model(mx.array([self.prompt[:hit]]), cache=self.cache)
+            mx.eval([c.state for c in self.cache])
+        suffix = mx.array([self.prompt[hit:]])
+
+        def step():
+            hidden = self.dense.model(suffix, cache=self.cache)
+            logits = self.dense.lm_head(hidden[:, -1])
+            mx.eval(logits, [c.state for c in self.cache])
+            for c in self.cache:
+                c.trim(self.prompt_len - hit)
+        return step
+
+    def paged_prefill(self, hit: int, path: str, layout: str = "run") -> PagedStep:
+        """The timed step of a runner with its own dispatcher for `path` over the layout's
+        model and cache (already patched and filled: the runner only wraps them)."""
+        base = self.runners[layout]
+        runner = PagedModelRunner(base.model, base.kv_cache, Dispatcher(path))
+        return PagedStep(runner, self.meta(hit, layout))
+
+
+_SETUPS: dict[tuple, Setup] = {}
+
+
+def setup_for(name: str, prompt_len: int) -> Setup:
+    if (name, prompt_len) not in _SETUPS:
+        _SETUPS.clear()
+        mx.clear_cache()
+        _SETUPS[(name, prompt_len)] = Setup(name, prompt_len)
+    return _SETUPS[(name, prompt_len)]
