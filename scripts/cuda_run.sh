@@ -22,7 +22,6 @@ python3 bench/canary_cost.py --out "$out/canary.json" 2>&1 | tee -a "$out/gpu.tx
 python3 bench/sdpa_new_shapes.py --out "$out/new_shapes.json" 2>&1 | tee "$out/new_shapes.txt"
 python3 bench/attention_sweep.py --out "$out/sweep.json" 2>&1 | tee "$out/sweep.txt"
 python3 bench/chained_attention.py --out "$out/chained.json" 2>&1 | tee "$out/chained.txt"
-python3 bench/kernel_timeline.py --out "$out/timeline.json" 2>&1 | tee "$out/timeline.txt"
 python3 bench/crossover.py --out "$out/crossover.json" 2>&1 | tee "$out/crossover.txt"
 python3 bench/wgmma_vs_mma.py --out "$out/wgmma_vs_mma.json" 2>&1 | tee "$out/wgmma_vs_mma.txt"
 # Hopper only (they say so and stop elsewhere): TMA page loads, the wgmma kernel's split-KV
