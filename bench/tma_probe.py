@@ -4,12 +4,13 @@
 
 A TMA load reads a tile through a tensor map: 128 bytes the driver encodes on the host
 (`cuTensorMapEncodeTiled`), holding the tensor's device address. MLX hands a kernel its arrays'
-addresses on the device only, so the host encodes a template (`jit_kernels/tma.py`, whose
-device helpers this probe shares with the prefill kernel) with a placeholder address and
-each threadblock patches in the cache's (`tensormap.replace`, sm_90a), publishes its copy to
-global memory with the proxy fence the TMA unit needs (`tensormap.cp_fenceproxy`), and loads
-every page of its share through it, a box of (64 elements of D, one kv head, one page) per
-copy, into the 128-byte swizzled layout the wgmma kernel reads (chunk c of row r at c ^ r % 8).
+addresses on the device only, so the host encodes a template (`jit_kernels/tma.py`; the
+device helpers, `jit_kernels/kernels/tma.cuh`, this probe shares with the prefill kernel) with
+a placeholder address and each threadblock patches in the cache's (`tensormap.replace`,
+sm_90a), publishes its copy to global memory with the proxy fence the TMA unit needs
+(`tensormap.cp_fenceproxy`), and loads every page of its share through it, a box of (64
+elements of D, one kv head, one page) per copy, into the 128-byte swizzled layout the wgmma
+kernel reads (chunk c of row r at c ^ r % 8).
 
 Checked: the pages gathered this way equal the cache's rows byte for byte, at block sizes 8,
 16 and 32 and both halves of D = 128. Timed on the GPU alone: a gather of every page of one kv
@@ -32,7 +33,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from gpu_time import gpu_us_together  # noqa: E402
 
-from jit_kernels import hopper_paged_attention, nvrtc, support, tma  # noqa: E402
+from jit_kernels import hopper_paged_attention, nvrtc, sources, support, tma  # noqa: E402
 
 HEAD_DIM, KV_HEADS = 128, 8
 PAGES_PER_BLOCK = 16
@@ -42,13 +43,7 @@ PAGES_PER_BLOCK = 16
 # table (int32 [n_pages]); out: pages (bf16 [n_pages * BS, HEAD_DIM]) of kv head `head`,
 # tmaps (uint8 [blocks * 128], each block's patched map). BS, TMA (1: tensor map, 0: cp.async)
 # are compile-time.
-SOURCE = r"""
-typedef unsigned int uint32_t;
-typedef unsigned long long uint64_t;
-__device__ __forceinline__ uint32_t smem_addr(const void* p) {
-  return static_cast<uint32_t>(__cvta_generic_to_shared(p));
-}
-""" + tma.DEVICE + r"""
+SOURCE = sources.fragments("nvrtc.cuh", "tma.cuh") + r"""
 extern "C" __global__ void __launch_bounds__(128) NAME(
     const unsigned char* tmap_tpl, const unsigned short* k_cache, const int* table,
     unsigned short* pages, unsigned char* tmaps, int head) {
