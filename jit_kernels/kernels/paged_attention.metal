@@ -14,6 +14,8 @@
 // Grid:    a threadgroup of NUM_THREADS (four simdgroups, an 8-row band each) per work item.
 // Template: T, HEAD_DIM, GROUP, BS (block size), BN (keys per K/V tile). Injected: BLOCK_Q,
 //          NUM_THREADS, WORK_COLS and the W_ columns.
+// Sentinels: a work item's SLOT -1: its tile is not split, its rows go to out; row_off -1: a
+//          key past KV_END, zero-filled; lse_part -inf: a split saw no key.
 // Threadgroup memory: K and V tiles [BN][HEAD_DIM + PAD] (16-byte row padding), the page
 //          offsets of this tile's keys and the next's, row_off [2][BN] (-1: past the keys).
 #include "metal_common.h"

@@ -22,6 +22,8 @@
 //          two m16 tiles' accumulators instead); with WARP_M = 16, Q passes through the last
 //          stage on its way to registers. A warp of 32 rows runs two m16 tiles against each K/V
 //          fragment it loads: half the ldmatrix traffic per product of 16-row warps.
+// Sentinels: a work item's SLOT -1: its tile is not split, its rows go to out; lse_part -inf:
+//          a split saw no key; keys at or past KV_END are zero-filled in smem, masked in S.
 // Pipeline: STAGES - 1 K/V tiles in flight; one barrier per tile (after the wait, before
 //          refilling the stage the previous iteration read). Tiles past the causal frontier
 //          are never visited; tiles every row sees skip the mask.

@@ -13,6 +13,8 @@
 //          each [HEAD_DIM / 64][BLOCK_N][64] in the 128-byte swizzle: 16-byte chunk c of key row
 //          r at chunk c ^ (r % 8). K is the B operand K-major (keys are its N), V the B operand
 //          N-major (transposed: keys are its K).
+// Sentinels: as paged_attention_mma.cu's; the padding rows of a tile (past NTOK * GROUP) take
+//          part in the warpgroup MMAs as zero rows of Q and are never stored.
 // Pipeline: STAGES - 1 K/V tiles in flight; per tile one barrier, then S by HEAD_DIM / 16
 //          m64nBLOCK_Nk16 wgmmas, the next tile's loads issued while they run, the softmax in
 //          registers, and O by BLOCK_N / 16 m64n128k16 wgmmas.

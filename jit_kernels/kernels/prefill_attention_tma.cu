@@ -18,6 +18,8 @@
 // Grid:    one block of NUM_THREADS (384) per work item.
 // Compile-time: T, AB, HEAD_DIM (128), GROUP, BS (8, 16 or 32), BLOCK_M (128), KV_TILE, STAGES,
 //          QK_SCALE_BITS, NUM_THREADS, PRODUCER_REGS, CONSUMER_REGS, KERNEL_NAME; W_ columns.
+// Sentinels: the padding rows of a tile (past NTOK * GROUP) are zero rows of Q, never stored;
+//          the last tile's V rows past KV_END hold other pages' data and are zeroed.
 // Smem (1024-byte aligned; the launch asks for 1024 bytes of slack): STAGES x [K tile
 //          [2][KV_TILE][64]][V tile: per page [2][BS][64]], swizzled; a K slot and a V slot each
 //          have a "full" barrier (the producer's loads) and an "empty" one (every consumer
