@@ -6,7 +6,7 @@
 //
 // Inputs, outputs, grid: as paged_attention_mma.cu's (BLOCK_M = 64, WARP_M = 16), then the
 //          scalars H (query heads) and MAX_BLOCKS (block_tables' width).
-// Compile-time: T (16-bit storage), AB ("bf16" / "f16"), HEAD_DIM (a multiple of 64), GROUP,
+// Compile-time: T (16-bit storage), AB ("bf16" / "f16"), HEAD_DIM (128), GROUP,
 //          BS, QK_SCALE_BITS, STAGES, BLOCK_M (64), NUM_THREADS (128: one warpgroup),
 //          MIN_BLOCKS_PER_SM, KERNEL_NAME; BLOCK_N, MERGE_ROWS and the W_ columns.
 // Smem (1024-byte aligned; the launch asks for 1024 bytes of slack): STAGES x [K tile][V tile],
