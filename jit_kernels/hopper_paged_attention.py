@@ -8,7 +8,7 @@ memory (`wgmma.mma_async` m64n64k16 and m64n128k16), where the mma.sync kernel h
 load every K/V fragment through `ldmatrix` for its own 16 rows: a quarter of the shared-memory
 traffic per product. Q and P stay in registers as the A operand (the m16n8k16 fragment layout,
 so the online softmax and the split merge are the mma.sync kernel's own: kernels/softmax.cuh,
-kernels/split_merge.cuh). The kernel: kernels/paged_attention_wgmma.cu.
+kernels/split_merge.inc). The kernel: kernels/paged_attention_wgmma.cu.
 
 K/V tiles land through cp.async (paged: every 16-byte chunk resolves its page) in the 128-byte
 swizzled layout wgmma reads: a tile [BLOCK_N keys][D] is stored as D / 64 column blocks of

@@ -39,7 +39,8 @@ def test_every_kernel_file_reaches_a_kernel_once():
 def test_a_body_keeps_its_fragments_in_the_header():
     mma = cuda_paged_attention.SOURCE
     assert "__device__" not in mma.source and "q_shape[1]" in mma.source
-    assert "finish_item" in mma.header and "BLOCK_N = 64;" in mma.header
+    assert "online_softmax" in mma.header and "BLOCK_N = 64;" in mma.header
+    assert "is_last" in mma.source  # split_merge.inc: body text where the kernel includes it
     gather = page_gather.SOURCES["metal"]  # an .inc is body text, read where it is included
     assert "#define PAGE_INDEX threadgroup_position_in_grid.x" in gather.source
     assert "block_tables_shape[1]" in gather.source

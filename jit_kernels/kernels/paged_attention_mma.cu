@@ -7,12 +7,12 @@
 // Inputs:  q [T, H, D] T; k_cache, v_cache [num_blocks, BS, Hkv, D] T, or the same bytes in
 //          any dtype (a PagedKVCache's 4-byte words, passed as stored);
 //          block_tables [S, max_blocks] int32; work [num_items, WORK_COLS] int32 (plan.py);
-//          counters int32 [2 num_tiles], zero between launches (split_merge.cuh);
+//          counters int32 [2 num_tiles], zero between launches (split_merge.inc);
 //          after: never read, an output of the last launch that took the same counters, so
 //          that MLX runs the two in order (it orders the launches of one evaluation only by
 //          the buffers they share).
 // Outputs: out [T, H, D] T; o_part [slots, BLOCK_M, D] float32, lse_part [slots, BLOCK_M]
-//          float32: the split tiles' scratch (split_merge.cuh).
+//          float32: the split tiles' scratch (split_merge.inc).
 // Grid:    a threadblock of 32 BLOCK_M / WARP_M threads (a warp per WARP_M rows) per item.
 // Template: T (__nv_bfloat16 or __half), HEAD_DIM, GROUP, BLOCK_M, WARP_M (16 or 32),
 //          STAGES, BS (block size, a power of two), QK_SCALE_BITS (the float32 bits of
@@ -30,7 +30,6 @@
 #include "common.cuh"
 #include "mma_sync.cuh"
 #include "softmax.cuh"
-#include "split_merge.cuh"
 
   constexpr int D = HEAD_DIM, LD = D + PAD, CHUNKS = D / 8;   // 16-byte chunks per row
   constexpr int KSTEPS = D / 16, DTILES = D / 8, NTILES = BLOCK_N / 8;
@@ -159,6 +158,4 @@
     }
   }
 
-  finish_item<GROUP, BLOCK_M, NUM_THREADS, STAGE_BYTES>(
-      o, m_run, l_run, warp_active, row_lo, rows, tid, lane, scale_log2, item, slot, counters, sK,
-      tok0, H, kvh, out, o_part, lse_part);
+#include "split_merge.inc"

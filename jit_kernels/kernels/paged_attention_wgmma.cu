@@ -22,7 +22,6 @@
 #include "common.cuh"
 #include "wgmma.cuh"
 #include "softmax.cuh"
-#include "split_merge.cuh"
 
 extern "C" __global__ void __launch_bounds__(NUM_THREADS, MIN_BLOCKS_PER_SM)
 KERNEL_NAME(const T* q, const T* k_cache, const T* v_cache, const int* block_tables,
@@ -117,7 +116,5 @@ KERNEL_NAME(const T* q, const T* k_cache, const T* v_cache, const int* block_tab
     pin(o);
   }
 
-  finish_item<GROUP, BLOCK_M, NUM_THREADS, STAGE_BYTES>(
-      o, m_run, l_run, warp_active, row_lo, rows, tid, lane, scale_log2, item, slot, counters, sK,
-      tok0, H, kvh, out, o_part, lse_part);
+#include "split_merge.inc"
 }
