@@ -134,8 +134,7 @@ class CudaAttentionPlan:
 class CudaPagedAttention(support.PagedAttentionKernel):
     """plan() once per forward, then call once per layer; kernels are built once per variant.
 
-    `cuda_kernel` is MLX's factory; tests pass a stand-in to break a kernel on purpose, and
-    bench/kernel_timeline.py one that stamps its phases.
+    `cuda_kernel` is MLX's factory; tests pass a stand-in to break a kernel on purpose.
     """
 
     name = "cuda"
