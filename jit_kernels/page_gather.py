@@ -12,7 +12,7 @@ sequence, as mlx-lm's own KV cache holds it), so attention after the gather runs
 a contiguous cache. MLX's `cache[block_table]` gather moves 0.2-0.4 TB/s on an H200; this is a
 plain copy, one threadblock per page, 16-byte accesses, UNROLL loads in flight per thread.
 
-The CUDA and Metal sources below are twins: same inputs, same page list, same layout.
+CUDA and Metal run one body (kernels/page_gather.inc): same inputs, same page list, same layout.
 """
 
 from __future__ import annotations
@@ -22,67 +22,21 @@ from dataclasses import dataclass
 import mlx.core as mx
 import numpy as np
 
+from . import sources
 from .arrays import device_array
 from .geometry import Geometry, dtype_name
-from .plan import column_constants
-from .sources import source_hash
 
 THREADS = 256
 UNROLL = 4  # 16-byte chunks each thread loads before it stores any
 PAGE_COLS = ("SEQ", "PAGE", "SEQ_LEN", "OUT_ROW")  # OUT_ROW: first [D] row of the sequence's output
 
-_COPY = r"""
-  // One 16-byte chunk is 16 / sizeof(T) elements; a page is BS rows of [Hkv, D], contiguous.
-  // The caches are read as 16-byte chunks whatever their declared dtype.
-  constexpr int VEC = 16 / sizeof(T);
-  auto row = pages + PAGE_INDEX * PAGE_NCOLS;  // MLX passes a one-page list as `constant`
-  const int seq = row[P_SEQ], page = row[P_PAGE], seq_len = row[P_SEQ_LEN];
-  constexpr int hkv = HKV, d = D;  // compile-time: the index arithmetic below is shifts
-  const long block = block_tables[long(seq) * block_tables_shape[1] + page];
-  const int rows = min(BS, seq_len - page * BS);
-  constexpr long page_chunks = long(BS) * hkv * d / VEC;
-  const int chunks = rows * hkv * d / VEC;             // the page's valid rows come first
-  const long out_base = long(row[P_OUT_ROW]) * d;
-  auto k_page = (const DEVICE VEC_T*)k_cache + block * page_chunks;
-  auto v_page = (const DEVICE VEC_T*)v_cache + block * page_chunks;
-  for (int c0 = THREAD_INDEX; c0 < chunks; c0 += NTHREADS * UNROLL) {
-    VEC_T kv[UNROLL], vv[UNROLL];
-    for (int u = 0; u < UNROLL; ++u) {
-      const int c = c0 + u * NTHREADS;
-      if (c < chunks) {
-        kv[u] = k_page[c];
-        vv[u] = v_page[c];
-      }
-    }
-    for (int u = 0; u < UNROLL; ++u) {
-      const int c = c0 + u * NTHREADS;
-      if (c >= chunks) break;
-      const int e = c * VEC, r = e / (hkv * d), h = (e / d) % hkv, x = e % d;
-      const long dst = out_base + (long(h) * seq_len + page * BS + r) * d + x;
-      *((DEVICE VEC_T*)(k_out + dst)) = kv[u];
-      *((DEVICE VEC_T*)(v_out + dst)) = vv[u];
-    }
-  }
-"""
-# Inputs:  k_cache, v_cache: num_blocks pages of BS x Hkv x D T each, row-major, in any dtype
-#          (read as 16-byte chunks); block_tables [S, max_blocks] int32;
-#          pages [num_pages, 4] int32 (PAGE_COLS), one row per page to copy.
-# Outputs: k_out, v_out [sum of Hkv * L * D over gathered sequences] T.
-# Grid: one threadblock (threadgroup) of THREADS threads per page. Template: T, BS, HKV, D,
-# UNROLL.
-CUDA_SOURCE = (
-    "#define PAGE_INDEX blockIdx.x\n#define THREAD_INDEX int(threadIdx.x)\n"
-    "#define DEVICE\n#define VEC_T uint4\n"
-    + _COPY
-)
-METAL_SOURCE = (
-    "#define PAGE_INDEX threadgroup_position_in_grid.x\n"
-    "#define THREAD_INDEX int(thread_index_in_threadgroup)\n"
-    "#define DEVICE device\n#define VEC_T uint4\n" + _COPY
-)
-HEADER = (f"constexpr int NTHREADS = {THREADS}, "
-          f"PAGE_NCOLS = {len(PAGE_COLS)};\n{column_constants('P_', PAGE_COLS, 'constexpr int')}\n")
-METAL_HEADER = HEADER.replace("constexpr", "constant constexpr")
+# Each backend's kernel: kernels/page_gather.cu or .metal, which name the launch's indices and
+# take the body of kernels/page_gather.inc.
+SOURCES = {backend: sources.mlx_kernel(
+    f"page_gather.{ext}",
+    sources.constants(declare, NTHREADS=THREADS) +
+    sources.columns(declare, "P_", PAGE_COLS, "PAGE_NCOLS"))
+    for backend, ext, declare in (("cuda", "cu", sources.CUDA), ("metal", "metal", sources.METAL))}
 
 
 @dataclass(frozen=True)
@@ -143,14 +97,13 @@ class PageGather:
     def _kernel(self, plan: GatherPlan):
         key = (plan.dtype, plan.block_size, plan.num_kv_heads, plan.head_dim)
         if key not in self._kernels:
-            metal = self.backend == "metal"
-            source, header = (METAL_SOURCE, METAL_HEADER) if metal else (CUDA_SOURCE, HEADER)
+            source = SOURCES[self.backend]
             self._kernels[key] = self._factory(
-                name=f"page_gather_{source_hash(header, source)}_"
+                name=f"page_gather_{source.hash}_"
                      f"{dtype_name(plan.dtype)}_b{plan.block_size}_h{plan.num_kv_heads}"
                      f"_d{plan.head_dim}_u{UNROLL}",
                 input_names=["k_cache", "v_cache", "block_tables", "pages"],
-                output_names=["k_out", "v_out"], source=source, header=header)
+                output_names=["k_out", "v_out"], source=source.source, header=source.header)
         return self._kernels[key]
 
     def check(self, k_cache: mx.array, v_cache: mx.array, plan: GatherPlan) -> None:

@@ -695,7 +695,7 @@ def test_hopper_kernel_source_is_one_self_contained_unit():
         g = Geometry(32, 8, 128, 16, dtype, 128 ** -0.5)
         src = hopper_attention.kernel_source("paged_prefill_test", g)
         assert "#include" not in src
-        assert 'extern "C" __global__' in src and "paged_prefill_test(" in src
+        assert 'extern "C" __global__' in src and "#define KERNEL_NAME paged_prefill_test\n" in src
         assert f'#define AB "{ab}"' in src
         assert f"QK_SCALE_BITS = {cuda_attention.qk_scale_bits(g.scale)}" in src
 

@@ -237,7 +237,8 @@ PLANTED_BUGS = {
 @pytest.mark.parametrize("bug", PLANTED_BUGS)
 def test_planted_bug_is_caught(bug):
     (old, new), case = PLANTED_BUGS[bug]
-    sources = (metal_attention.HEADER, metal_attention.ATTENTION_SOURCE, metal_attention.MERGE_SOURCE)
+    sources = [text for kernel in (metal_attention.ATTENTION, metal_attention.MERGE)
+               for text in (kernel.header, kernel.source)]
     assert any(old in src for src in sources), f"{bug}: the kernels changed, update its mutation"
     with pytest.raises((AssertionError, KernelError)):
         check(**CASES[case], kernel_factory=mutated(old, new))

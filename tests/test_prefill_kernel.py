@@ -42,7 +42,7 @@ def test_source_is_one_self_contained_unit():
         g = Geometry(32, 8, 128, 16, dtype, 128 ** -0.5)
         src = prefill_attention.kernel_source("paged_prefill_tma_test", g)
         assert "#include" not in src and 'extern "C" __global__' in src
-        assert "paged_prefill_tma_test(" in src and f'#define AB "{ab}"' in src
+        assert "#define KERNEL_NAME paged_prefill_tma_test\n" in src and f'#define AB "{ab}"' in src
         assert "tma_load4(" in src and "setmaxnreg" in src
 
 
