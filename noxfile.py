@@ -1,5 +1,5 @@
 """Sessions: tests (default), metal_emulated, demo, bench, serve-bench, lint; cuda and metal run
-the GPU tests and benchmarks where that MLX backend exists (docs/gpu.md)."""
+the GPU tests and benchmarks where that MLX backend exists (docs/results.md)."""
 
 import sys
 from pathlib import Path

@@ -51,14 +51,14 @@ SOURCE = sources.mlx_kernel(
 MIN_TILES_FOR_BLOCK_M_128 = 118  # ~0.9 x NUM_SMS: 128-row blocks run one per SM
 # Rows per warp of 128-row tiles: 32 (four warps, each two m16 tiles against every K/V fragment
 # it loads) or 16 (eight warps); 64-row tiles keep 16 (decode rows fill few of them). Measured
-# at D=128 only (bench/chained_attention.py, docs/gpu.md): other head dims keep 16.
+# at D=128 only (docs/kernels.md): other head dims keep 16.
 WARP_M_128 = 32
 WARP_M_128_HEAD_DIMS = (128,)
 # Split KV into about SPLIT_ITEMS_PER_SM items per SM, a tile of n kv tiles into ceil(n / chunk)
 # balanced parts, chunk = max(SPLIT_MIN_KV_TILES, the even share): parts of 4-8 tiles or more.
 # A split's fp32 partial (32 KB at 64 rows, D=128) costs as much traffic as two K/V tiles
 # read: chunks of 8 or more at one item per SM measured faster than 2-tile chunks at two per SM
-# at all but the longest prefix (docs/gpu.md).
+# at all but the longest prefix (docs/results.md, "Split chunking").
 SPLIT_MIN_KV_TILES = 8
 SPLIT_ITEMS_PER_SM = 1
 

@@ -18,7 +18,7 @@ swizzled layout wgmma reads: a tile [BLOCK_N keys][D] is stored as D / 64 column
 `mx.fast.cuda_kernel` compiles for sm_90, which has no wgmma, so the source is compiled for
 sm_90a by NVRTC (`nvrtc.py`) once per variant and launched as a cubin. MLX copies and hashes a
 precompiled kernel's bytes on every call (~0.25 us per KB on the H200; this cubin is ~58 KB), so
-a call costs ~10 us more host time than the mma.sync kernel's (docs/gpu.md).
+a call costs ~10 us more host time than the mma.sync kernel's (docs/results.md).
 """
 
 from __future__ import annotations
@@ -39,8 +39,8 @@ WGMMA_HEAD_DIMS = (128,)  # others run the mma.sync kernel's variants
 MIN_BLOCKS_PER_SM = 3
 STAGES = 2  # K/V tiles in flight + 1; 3 measured no faster, 4 fits one block per SM
 # Split KV in parts of at least 9 kv tiles, where the mma.sync kernel takes 8 (see there): a
-# split's fp32 partial is stored and read back. Measured both ways by bench/split_chunk.py
-# (docs/h200/split_chunk.json, docs/gpu.md): fewer, longer parts cost a lone call's latency at
+# split's fp32 partial is stored and read back. Measured both ways (docs/h200/split_chunk.json,
+# docs/results.md, "Split chunking"): fewer, longer parts cost a lone call's latency at
 # C <= 1024 (still at or under the ceiling's) and buy throughput wherever launches overlap.
 SPLIT_MIN_KV_TILES = 9
 
@@ -78,7 +78,7 @@ class HopperPagedAttention(cpa.CudaPagedAttention):
 
     Geometries with a wgmma variant (head dim 128) get 64-row tiles through warpgroup MMAs,
     the only height a plan then takes (measured faster than the mma.sync kernel's 128-row tiles
-    at every point up to Lq = 512, docs/gpu.md); other head dims keep the mma.sync kernel and
+    at every point up to Lq = 512, docs/results.md); other head dims keep the mma.sync kernel and
     its heights. `compile` turns a source into a cubin (NVRTC's, or a test's stand-in).
     """
 

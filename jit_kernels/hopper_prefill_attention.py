@@ -8,7 +8,7 @@ What the wgmma kernel (`hopper_paged_attention`) cannot: keep the tensor cores f
 suffixes, where cuDNN's SDPA on contiguous K/V runs much faster (so the dispatcher sent those
 sequences to a page gather + SDPA, paying the gather). This kernel has cuDNN's structure on
 paged K/V: measured faster than gather + SDPA wherever the prefix holds four times the new
-tokens or more, and close to cuDNN on K/V that are already contiguous (docs/gpu.md,
+tokens or more, and close to cuDNN on K/V that are already contiguous (docs/results.md,
 rules.CUDA_PREFILL_MIN_CTX_PER_Q). Three warpgroups a block, one work item (128 query rows of
 one kv head, planned unsplit): a producer warp loading K/V pages with TMA (`tma.py`), two
 consumer warpgroups overlapping S, softmax and P V (kernels/prefill_attention_tma.cu).
@@ -33,7 +33,7 @@ from .geometry import Geometry, Lengths, dtype_name, unsupported_reason
 from .interface import Plan, refuse_unsupported, write_rows
 
 BLOCK_M = 128  # two consumer warpgroups of 64 rows
-KV_TILE = 128  # keys a stage holds (64 measured slower, docs/gpu.md)
+KV_TILE = 128  # keys a stage holds (64 measured slower, docs/results.md)
 STAGES = 3  # V(t) stays while K(t + 1) and tile t + 2 land
 THREADS = 384
 PRODUCER_REGS, CONSUMER_REGS = 40, 232  # 128 x 40 + 256 x 232 <= 64K registers

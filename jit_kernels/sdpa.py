@@ -57,14 +57,22 @@ class ContiguousPlan(Plan):
     cache_rows: int  # the cache rows the reads in place need
 
 
-class ContiguousSdpa:
-    name = "sdpa"
+class _OnMlx:
+    """An executor of MLX ops only: it runs any geometry and has no kernel to check."""
 
     def unsupported_reason(self, geometry: Geometry) -> str | None:
         return None
 
     def canary_plannings(self, geometry: Geometry) -> tuple[dict, ...]:
         return ()
+
+    def check(self, q, k, v, k_cache, v_cache, plan: Plan) -> None:
+        check_call(self.name, plan.geometry, plan.lengths, q, k, v, k_cache, v_cache,
+                   plan.block_tables)
+
+
+class ContiguousSdpa(_OnMlx):
+    name = "sdpa"
 
     def plan(self, lengths: Lengths, geometry: Geometry, block_tables: mx.array, seqs=None,
              first_blocks: dict[int, int] | None = None) -> ContiguousPlan:
@@ -83,8 +91,7 @@ class ContiguousSdpa:
         return ContiguousPlan(geometry, lengths, block_tables, seqs, sources, cache_rows)
 
     def check(self, q, k, v, k_cache, v_cache, plan: ContiguousPlan) -> None:
-        check_call(self.name, plan.geometry, plan.lengths, q, k, v, k_cache, v_cache,
-                   plan.block_tables)
+        super().check(q, k, v, k_cache, v_cache, plan)
         held = as_rows(k_cache, plan.geometry).shape[0]
         if plan.cache_rows > held:
             raise ValueError(f"block_tables: the plan reads cache rows up to {plan.cache_rows}, "
@@ -159,16 +166,10 @@ class GatheredSdpa:
         return _assemble(out, outs, plan)
 
 
-class ReferenceAttention:
+class ReferenceAttention(_OnMlx):
     """`reference.paged_attention` over every sequence of the batch."""
 
     name = "reference"
-
-    def unsupported_reason(self, geometry: Geometry) -> str | None:
-        return None
-
-    def canary_plannings(self, geometry: Geometry) -> tuple[dict, ...]:
-        return ()
 
     def plan(self, lengths: Lengths, geometry: Geometry, block_tables: mx.array,
              seqs=None) -> Plan:
@@ -176,10 +177,6 @@ class ReferenceAttention:
         if len(seqs) != lengths.num_seqs:
             raise ValueError("seqs: the reference plans every sequence of the batch")
         return Plan(geometry, lengths, block_tables, seqs)
-
-    def check(self, q, k, v, k_cache, v_cache, plan: Plan) -> None:
-        check_call(self.name, plan.geometry, plan.lengths, q, k, v, k_cache, v_cache,
-                   plan.block_tables)
 
     def run(self, q, k, v, k_cache, v_cache, plan: Plan, out=None) -> mx.array:
         g, lengths = plan.geometry, plan.lengths

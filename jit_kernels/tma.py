@@ -12,7 +12,7 @@ reads (16-byte chunk c of a 128-byte row r at c ^ r % 8):
 - K: box (64 elements of D, one kv head, one page): a page's half of D, [BS][64];
 - V: box (64, one page, both halves, one kv head): a whole page as [2][BS][64], one load where
   K's layout takes two (the loads bound the kernel by their count: one V box a page measured
-  faster than two, docs/gpu.md).
+  faster than two, docs/kernels.md).
 """
 
 from __future__ import annotations

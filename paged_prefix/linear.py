@@ -1,6 +1,6 @@
 """Linear layers for the packed forward: fewer ops per layer for the host to build and encode.
 
-A short prefill's step is bound by host time (docs/gpu.md, "Host time per op"): on a CUDA GPU
+A short prefill's step is bound by host time (docs/results.md, "Host time per op"): on a CUDA GPU
 MLX spends ~17 us of host time encoding a matmul (cuBLASLt set-up), ~4 us a small kernel, and
 0.3-3 us building any op, views included. mlx-lm's `nn.Linear` computes `x @ weight.T`,
 so every projection of every forward adds a transpose, and a [1, T, in] input a flatten and

@@ -53,7 +53,7 @@ def check_model(model: nn.Module) -> None:
         raise ValueError(f"layer_types: only full attention is supported, got {sorted(layer_types)}")
 
 
-# Side by side on the H200, 1.1B config (docs/gpu.md, "Pipelining"): prefills of 4096 and
+# Side by side on the H200, 1.1B config (docs/gpu.md at commit 9fc46d4, "Pipelining"): prefills of 4096 and
 # 2048 tokens took 5-15% less time pipelined; a 512-token suffix over 3584 cached tokens, whose
 # layers are too short on the device to hide the host's work behind, took 6-8% more.
 PIPELINE_MIN_TOKENS = 1024
@@ -78,7 +78,7 @@ def _release_last_step() -> None:
     array instead of updating it in place. A pipelined forward sends layer 0's writes one
     layer's build after the previous step, so it waits first; so does a forward whose whole
     graph took less than MIN_BUILD_S_WITHOUT_WAIT to build. Others send their first write a
-    whole build later: on the H200 no step copied without the wait (bench/pool_copies.py, a
+    whole build later: on the H200 no step copied without the wait (bench/probes/pool_copies.py, a
     1 GiB-per-layer cache, 50 decode and 50 prefill steps of a 1.1B model; the prefill's
     build took ~1 ms), where the wait cost 0.2-0.5 ms a step."""
     mx.synchronize()
