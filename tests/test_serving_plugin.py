@@ -60,6 +60,29 @@ def test_platform_refuses_what_the_runner_cannot_do():
         MLXPlatform.check_and_update_config(config)
 
 
+@pytest.mark.parametrize("setting,flag", [
+    (lambda c: setattr(c.cache_config, "kv_offloading_size", 1.0), "--kv-offloading-size"),
+    (lambda c: setattr(c, "kv_transfer_config", object()), "--kv-transfer-config"),
+    (lambda c: setattr(c, "ec_transfer_config", object()), "--ec-transfer-config"),
+    (lambda c: setattr(c.offload_config.uva, "cpu_offload_gb", 2), "--cpu-offload-gb"),
+    (lambda c: setattr(c.offload_config.prefetch, "offload_group_size", 4),
+     "--offload-group-size"),
+    (lambda c: setattr(c.cache_config, "kv_sharing_fast_prefill", True),
+     "--kv-sharing-fast-prefill"),
+])
+def test_platform_refuses_flags_the_worker_does_not_implement(setting, flag):
+    """At config time, naming the flag: not deep in engine start-up (a KV connector asks the
+    worker for `get_kv_connector_handshake_metadata`) or at first use."""
+    from vllm.config import VllmConfig
+
+    from paged_prefix.vllm_plugin.platform import MLXPlatform
+
+    config = VllmConfig()
+    setting(config)
+    with pytest.raises(ValueError, match=f"paged_prefix: .*\\({flag}\\) is not supported"):
+        MLXPlatform.check_and_update_config(config)
+
+
 def test_loader_names_unsupported_architectures_and_missing_folders(tmp_path):
     with pytest.raises(ValueError, match="not a local model folder"):
         read_config(tmp_path / "missing")

@@ -38,6 +38,27 @@ def _mlx_gpu() -> bool:
     return mx.default_device() == mx.gpu
 
 
+def _refused_feature(vllm_config: VllmConfig) -> str | None:
+    """A flag-enabled feature the worker does not implement, named as the user set it: the
+    engine would otherwise fail later, deep in its start-up (a KV connector asks the worker for
+    methods it lacks) or on first use."""
+    cache, offload = vllm_config.cache_config, vllm_config.offload_config
+    model = vllm_config.model_config
+    features = {
+        "KV offloading (--kv-offloading-size)": cache.kv_offloading_size is not None,
+        "a KV connector (--kv-transfer-config)": vllm_config.kv_transfer_config is not None,
+        "an encoder-cache connector (--ec-transfer-config)":
+            vllm_config.ec_transfer_config is not None,
+        "weight transfer (--weight-transfer-config)":
+            vllm_config.weight_transfer_config is not None,
+        "weight offloading (--cpu-offload-gb)": offload.uva.cpu_offload_gb > 0,
+        "layer offloading (--offload-group-size)": offload.prefetch.offload_group_size > 0,
+        "sleep mode (--enable-sleep-mode)": model is not None and model.enable_sleep_mode,
+        "KV sharing fast prefill (--kv-sharing-fast-prefill)": cache.kv_sharing_fast_prefill,
+    }
+    return next((name for name, on in features.items() if on), None)
+
+
 class MLXPlatform(Platform):
     _enum = PlatformEnum.OOT
     device_name: str = "cpu"  # what torch sees; MLX keeps its own device
@@ -122,6 +143,9 @@ class MLXPlatform(Platform):
             raise ValueError("paged_prefix: speculative decoding is not supported")
         if vllm_config.lora_config is not None:
             raise ValueError("paged_prefix: LoRA is not supported")
+        refused = _refused_feature(vllm_config)
+        if refused:
+            raise ValueError(f"paged_prefix: {refused} is not supported by this worker")
         if parallel.worker_cls == "auto":
             parallel.worker_cls = WORKER_CLS
         if parallel.distributed_executor_backend in ("auto", None):
