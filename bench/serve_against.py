@@ -25,13 +25,12 @@ from pathlib import Path
 from bench import multi_turn, serve_plot
 from bench.mlx_lm_server import MlxLmServer
 from bench.serve_bench import blas_line, client_command, client_metrics, num_requests, workload_text
-from bench.serve_progress import run_client, vllm_queue
+from bench.serve_progress import run_client, server_log_status
 from bench.vllm_server import VllmServer
 
 SERVERS = ("paged_prefix", "mlx-lm")
 # workload -> (seed offset, max concurrency: 0 is all at once)
 PHASES = {"all at once": (0, 0), "one at a time": (1, 1)}
-MULTI_TURN = multi_turn.Workload()
 KEYS = [("TTFT p50 (ms)", "ttft_p50_ms", "{:.0f}"), ("TTFT p90 (ms)", "ttft_p90_ms", "{:.0f}"),
         ("TPOT p50 (ms)", "tpot_p50_ms", "{:.1f}"), ("output tokens/s", "output_throughput",
                                                       "{:.1f}")]
@@ -46,6 +45,13 @@ def _server(kind: str, model: str, args: argparse.Namespace, out: Path):
     return VllmServer(model, ["--enable-prefix-caching", "--max-model-len", str(args.max_model_len),
                               "--kv-cache-memory-bytes", str(args.kv_cache_memory_bytes),
                               "--seed", str(args.seed)], out / "server-paged_prefix.log")
+
+
+def multi_turn_workload(args: argparse.Namespace) -> multi_turn.Workload:
+    default = multi_turn.Workload()
+    return multi_turn.Workload(conversations=args.conversations or default.conversations,
+                               turns=args.turns or default.turns, output_len=args.output_len,
+                               seed=args.seed)
 
 
 def run_server(kind: str, model: str, args: argparse.Namespace) -> dict:
@@ -65,11 +71,12 @@ def run_server(kind: str, model: str, args: argparse.Namespace) -> dict:
                                     concurrency, result_file)
             run_client(client, out / f"client-{kind}-{slug}.log", f"{kind}, {phase}",
                        num_requests(args), args.client_timeout,
-                       vllm_queue(server.url) if vllm else None)
+                       server_log_status(server.log_path))
             results[phase] = client_metrics(json.loads((out / result_file).read_text()))
-        print(f"[{kind}, multi-turn] {MULTI_TURN.conversations} conversations x "
-              f"{MULTI_TURN.turns} turns at once", flush=True)
-        results["multi-turn"] = multi_turn.run(server.url, name, MULTI_TURN)
+        workload = multi_turn_workload(args)
+        print(f"[{kind}, multi-turn] {workload.conversations} conversations x "
+              f"{workload.turns} turns at once", flush=True)
+        results["multi-turn"] = multi_turn.run(server.url, name, workload)
         print(f"[{kind}, multi-turn] done in {results['multi-turn']['duration_s']:.0f} s",
               flush=True)
     return results
@@ -100,12 +107,14 @@ def compare(model: str, args: argparse.Namespace) -> int:
     args = argparse.Namespace(**{**vars(args), "out": args.out / "against"})
     args.out.mkdir(parents=True, exist_ok=True)
     results = {kind: run_server(kind, model, args) for kind in SERVERS}
+    turns = multi_turn_workload(args)
     summary = {"model": model, "workload": workload_text(args), "seed": args.seed,
-               "multi_turn": vars(MULTI_TURN), "results": results}
+               "multi_turn": vars(turns), "results": results}
     (args.out / "summary.json").write_text(json.dumps(summary, indent=1))
     title = (f"{Path(model).name}: paged_prefix (vllm serve, prefix caching on) vs mlx_lm.server, "
              f"both on OpenBLAS\nprefix_repetition {workload_text(args).rsplit(',', 1)[0]}; "
-             f"multi-turn {MULTI_TURN.conversations} conversations x {MULTI_TURN.turns} turns")
+             f"multi-turn {turns.conversations} conversations x {turns.turns} turns, "
+             f"{turns.output_len} out")
     serve_plot.against({w: {s: results[s][w] for s in SERVERS} for w in (*PHASES, "multi-turn")},
                        {s: results[s]["multi-turn"]["ttft_p50_ms_per_turn"] for s in SERVERS},
                        title, args.out / "against.png")

@@ -29,7 +29,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench import serve_plot  # noqa: E402
-from bench.serve_progress import run_client, vllm_queue  # noqa: E402
+from bench.serve_progress import run_client, server_log_status  # noqa: E402
 from bench.vllm_server import VLLM_CLI, VllmServer, metric_total  # noqa: E402
 from paged_prefix.convert_smollm2 import models_root, smollm2_folder  # noqa: E402
 from paged_prefix.models import write_folder  # noqa: E402
@@ -62,6 +62,10 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="instead of caching off vs on: paged_prefix (caching on) vs mlx-lm's "
                         "own server on the same folder, all at once, one at a time and "
                         "multi-turn (bench/serve_against.py)")
+    p.add_argument("--conversations", type=int, default=None,
+                   help="with --against: multi-turn conversations at once (default 4)")
+    p.add_argument("--turns", type=int, default=None,
+                   help="with --against: turns per conversation (default 6)")
     p.add_argument("--max-model-len", type=int, default=1024)
     p.add_argument("--kv-cache-memory-bytes", type=int, default=512 << 20)
     p.add_argument("--out", type=Path, default=Path("results/serve_bench"))
@@ -73,6 +77,9 @@ def parse_args(argv=None) -> argparse.Namespace:
         raise ValueError(f"--max-concurrency: expected >= 0, got {args.max_concurrency}")
     if args.against and args.random_weights:
         raise ValueError("--against: mlx-lm serves real folders; drop --random-weights")
+    for name in ("conversations", "turns"):
+        if getattr(args, name) is not None and not args.against:
+            raise ValueError(f"--{name}: only with --against (the multi-turn workload)")
     return args
 
 
@@ -130,7 +137,7 @@ def run_setting(setting: str, model: str, args: argparse.Namespace) -> dict:
         client = client_command(server.url, server.served_name, model, args, args.seed,
                                 args.max_concurrency, result_file)
         run_client(client, args.out / f"client-{setting}.log", label, num_requests(args),
-                   args.client_timeout, vllm_queue(server.url))
+                   args.client_timeout, server_log_status(server_log))
         metrics = server.metrics()
     result = client_metrics(json.loads((args.out / result_file).read_text()))
     queries = metric_total(metrics, "vllm:prefix_cache_queries_total")

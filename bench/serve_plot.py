@@ -12,7 +12,8 @@ from pathlib import Path
 
 import numpy as np
 
-COLORS = ["#9e9e9e", "#1f77b4", "#ff7f0e", "#2ca02c"]
+COLORS = ["#9e9e9e", "#1f77b4"]  # a baseline (caching off) grey, the run it is compared with blue
+AGAINST_COLORS = ["#1f77b4", "#ff7f0e"]  # paged_prefix, mlx-lm
 
 
 def _pyplot():
@@ -24,13 +25,14 @@ def _pyplot():
     return plt
 
 
-def _bars(ax, groups: list[str], series: dict[str, list[float]], fmt: str = "{:.1f}") -> None:
+def _bars(ax, groups: list[str], series: dict[str, list[float]], fmt: str = "{:.1f}",
+          colors: list[str] = COLORS) -> None:
     """Grouped bars, one group per x label, each bar labelled with its value."""
     width = 0.8 / len(series)
     many = len(groups) * len(series) > 24
     for i, (label, values) in enumerate(series.items()):
         xs = np.arange(len(groups)) + (i - (len(series) - 1) / 2) * width
-        bars = ax.bar(xs, values, width, label=label, color=COLORS[i % len(COLORS)])
+        bars = ax.bar(xs, values, width, label=label, color=colors[i])
         ax.bar_label(bars, [fmt.format(v) for v in values], fontsize=6 if many else 8,
                      rotation=90 if many else 0, padding=2)
     ax.set_xticks(range(len(groups)), groups, fontsize=7 if len(groups) > 16 else 9)
@@ -70,11 +72,13 @@ def against(results: dict[str, dict[str, dict]], turns: dict[str, list[float]], 
             ("tpot_p50_ms", "TPOT p50 (ms)", "{:.1f}"),
             ("output_throughput", "output tokens/s", "{:.1f}")]):
         ax = fig.add_subplot(grid[0, i])
-        _bars(ax, workloads, {s: [results[w][s][key] for w in workloads] for s in servers}, fmt)
+        _bars(ax, workloads, {s: [results[w][s][key] for w in workloads] for s in servers}, fmt,
+              AGAINST_COLORS)
         ax.set_title(label, fontsize=10)
         ax.tick_params(axis="x", labelsize=8)
     ax = fig.add_subplot(grid[1, :])
-    _bars(ax, [f"turn {t + 1}" for t in range(max(map(len, turns.values())))], turns, "{:.0f}")
+    _bars(ax, [f"turn {t + 1}" for t in range(max(map(len, turns.values())))], turns, "{:.0f}",
+          AGAINST_COLORS)
     ax.set_ylabel("multi-turn TTFT p50 (ms)")
     fig.suptitle(title, fontsize=10)
     fig.tight_layout()

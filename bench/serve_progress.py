@@ -2,8 +2,8 @@
 
 `vllm bench serve` writes its progress bar (tqdm: "12/32 [00:41<...]") to its log, and vLLM's
 server its throughput lines to its own log: read from those, the user sees requests done of
-the total, the server's queue when it has /metrics, the elapsed time and where the logs are,
-instead of minutes of silence.
+the total, what the server received and (vLLM) its last throughput line with the running and
+waiting requests, the elapsed time and where the logs are, instead of minutes of silence.
 """
 
 from __future__ import annotations
@@ -11,13 +11,11 @@ from __future__ import annotations
 import re
 import subprocess
 import time
-import urllib.request
 from collections.abc import Callable
 from pathlib import Path
 
-from bench.vllm_server import metric_total
-
 PROGRESS = re.compile(r"(\d+)/(\d+) \[")
+ENGINE_STATS = re.compile(r"Avg prompt throughput: .*?Waiting: \d+ reqs")
 PRINT_EVERY_S = 10.0
 
 
@@ -27,16 +25,17 @@ def requests_done(log: Path) -> tuple[int, int] | None:
     return (int(hits[-1][0]), int(hits[-1][1])) if hits else None
 
 
-def vllm_queue(url: str) -> Callable[[], str]:
-    """The server's running and waiting requests, from its /metrics."""
+def server_log_status(log: Path) -> Callable[[], str]:
+    """What the server logged since now: the requests it has begun to answer (both servers'
+    access logs write a line per POST as the response starts) and vLLM's last throughput
+    line (prompt and generation tokens/s, running and waiting requests)."""
+    start = len(log.read_text(errors="replace"))
+
     def status() -> str:
-        try:
-            with urllib.request.urlopen(url + "/metrics", timeout=2) as response:
-                text = response.read().decode()
-        except OSError:
-            return "server busy"
-        return (f"server: {metric_total(text, 'vllm:num_requests_running'):.0f} running, "
-                f"{metric_total(text, 'vllm:num_requests_waiting'):.0f} waiting")
+        text = log.read_text(errors="replace")[start:]
+        stats = ENGINE_STATS.findall(text)
+        return (f"server has begun {text.count('POST /v1/completions')}"
+                + (f"; {stats[-1]}" if stats else ""))
     return status
 
 
@@ -58,8 +57,8 @@ def run_client(command: list[str], log: Path, label: str, total: int, timeout_s:
             if now - last >= PRINT_EVERY_S:
                 last = now
                 done = requests_done(log)
-                parts = [f"{done[0]}/{done[1]} requests done" if done else "0 requests done",
-                         f"{now - start:.0f} s"]
+                parts = [f"{done[0]}/{done[1]} requests done" if done else
+                         "client starting (tokenizer, prompts)", f"{now - start:.0f} s"]
                 if server_status:
                     parts.append(server_status())
                 print(f"[{label}] " + ", ".join(parts), flush=True)

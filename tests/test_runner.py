@@ -5,7 +5,8 @@ Two oracles over the same seeded weights, both the unpatched mlx-lm model (same 
     chunks) with the same attention precision as the reference (fp32 scores). On the CPU paths
     (reference, sdpa) paging adds no arithmetic, so logits must be bit-identical: a wrong RoPE
     offset, slot or softmax scale cannot hide in a tolerance. (On a GPU these paths are held
-    to the tolerance: SDPA may choose another algorithm for another memory layout.)
+    to the tolerance: SDPA may choose another algorithm for another memory layout; float32 on
+    OpenBLAS to a tolerance 100x tighter and the same argmax: SPLIT_TOL_OPENBLAS says why.)
   * full prefill: one forward over the whole prompt (different rounding order), compared with a
     tolerance, and greedy continuations that must be identical.
 Kernel paths (GPU) compute attention in their own order: they are held to the tolerance only.
