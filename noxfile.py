@@ -1,4 +1,4 @@
-"""Sessions: tests (default), metal_emulated, demo, bench, serve-bench, lint; cuda and metal run
+"""Sessions: tests (default), metal_emulated, demo, bench, cpu-blas, serve-bench, lint; cuda and metal run
 the GPU tests and benchmarks where that MLX backend exists (docs/gpu.md)."""
 
 import sys
@@ -60,6 +60,13 @@ def bench(session):
     Path("results").mkdir(exist_ok=True)
     session.run("pytest", "bench", "--benchmark-only", "--benchmark-columns=min,median,mean,rounds",
                 "--benchmark-json=results/bench.json", *session.posargs)
+
+
+@nox.session(name="cpu-blas", python=PYTHON)
+def cpu_blas(session):
+    """MLX's CPU matmuls and SmolLM2 prefill per dtype, bundled BLAS vs OpenBLAS (docs/cpu.md)."""
+    install(session, "bench")
+    session.run("python", "-m", "bench.cpu_blas", *session.posargs)
 
 
 @nox.session(name="serve-bench", python=PYTHON)

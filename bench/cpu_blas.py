@@ -4,10 +4,11 @@
 
 Per dtype (float32, float16, bfloat16): a 1024x1024 matmul's GFLOP/s and the prefill tokens/s
 of one SmolLM2-135M prompt through the paged runner (nothing cached; the float32 folder cast
-to the dtype). A process binds its BLAS once, when mlx.core is first imported
-(paged_prefix/cpu_blas.py), so each setting runs in a child process (PAGED_PREFIX_CPU_BLAS
-bundled / openblas), the two taking turns --repeats times; each number is the best over the
-turns (on a shared machine the best is the least disturbed).
+to the dtype), on MLX's bundled BLAS and on OpenBLAS (one thread, cpu_blas's default), and in
+float32 on OpenBLAS with 2 threads. A process binds its BLAS once, when mlx.core is first
+imported (paged_prefix/cpu_blas.py), so each setting runs in a child process, the settings
+taking turns --repeats times; each number is the best over the turns (on a shared machine
+the best is the least disturbed).
 """
 
 from __future__ import annotations
@@ -21,7 +22,12 @@ import time
 from pathlib import Path
 
 DTYPES = ("float32", "float16", "bfloat16")
-SETTINGS = ("bundled", "openblas")
+# setting -> (its environment, the dtypes it runs): a second OpenBLAS thread matters only
+# where BLAS runs, float32 (MLX's half-precision matmuls are its own)
+SETTINGS = {"bundled": ({"PAGED_PREFIX_CPU_BLAS": "bundled"}, DTYPES),
+            "OpenBLAS": ({"PAGED_PREFIX_CPU_BLAS": "openblas"}, DTYPES),
+            "OpenBLAS 2 threads": ({"PAGED_PREFIX_CPU_BLAS": "openblas",
+                                    "OPENBLAS_NUM_THREADS": "2"}, ("float32",))}
 MATMUL_N = 1024
 MATMUL_ROUNDS = 5
 BLOCK_SIZE = 16
@@ -33,6 +39,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--prompt-tokens", type=int, default=224)
     p.add_argument("--out", type=Path, default=Path("results/cpu_blas.json"))
     p.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
+    p.add_argument("--dtypes", nargs="+", choices=DTYPES, default=list(DTYPES),
+                   help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     if args.repeats < 1:
         raise ValueError(f"--repeats: expected >= 1, got {args.repeats}")
@@ -57,7 +65,7 @@ def _prefill_step(model, dtype, prompt):
     return lambda: runner.greedy(meta)
 
 
-def measure(prompt_tokens: int) -> dict:
+def measure(prompt_tokens: int, dtypes: list[str]) -> dict:
     """This process's numbers, under whatever BLAS PAGED_PREFIX_CPU_BLAS gave it."""
     from paged_prefix import cpu_blas  # first: it must load OpenBLAS before mlx.core
 
@@ -71,7 +79,7 @@ def measure(prompt_tokens: int) -> dict:
     folder = smollm2_folder("float32")
     rng = np.random.default_rng(0)
     out = {"blas": cpu_blas.status_line(), "openblas": blas.active, "dtypes": {}}
-    for name in DTYPES:
+    for name in dtypes:
         dtype = getattr(mx, name)
         a, b = (mx.array(rng.standard_normal((MATMUL_N, MATMUL_N)), dtype=dtype) for _ in "ab")
         mx.eval(a @ b)
@@ -95,33 +103,38 @@ def measure(prompt_tokens: int) -> dict:
 
 
 def run_child(setting: str, prompt_tokens: int) -> dict:
-    env = {**os.environ, "PAGED_PREFIX_CPU_BLAS": setting}
+    env, dtypes = SETTINGS[setting]
+    base = {k: v for k, v in os.environ.items() if k != "OPENBLAS_NUM_THREADS"}
     done = subprocess.run([sys.executable, "-m", "bench.cpu_blas", "--child",
-                           "--prompt-tokens", str(prompt_tokens)],
-                          env=env, check=True, capture_output=True, text=True)
+                           "--prompt-tokens", str(prompt_tokens), "--dtypes", *dtypes],
+                          env={**base, **env}, check=True, capture_output=True, text=True)
     return json.loads(done.stdout.splitlines()[-1])
 
 
 def best(turns: list[dict]) -> dict:
-    return {"blas": turns[0]["blas"],
+    return {"blas": turns[0]["blas"], "openblas": turns[0]["openblas"],
             "dtypes": {d: {k: max(t["dtypes"][d][k] for t in turns)
-                           for k in ("matmul_gflops", "prefill_tok_s")} for d in DTYPES}}
+                           for k in ("matmul_gflops", "prefill_tok_s")}
+                       for d in turns[0]["dtypes"]}}
 
 
 def table(results: dict, prompt_tokens: int) -> str:
-    lines = [f"{'':<34}{'bundled':>10}{'OpenBLAS':>10}{'ratio':>8}"]
+    names = list(SETTINGS)
+    lines = [f"{'':<34}{names[0]:>10}{names[1]:>10}{'ratio':>8}{names[2]:>20}"]
     for key, label in (("matmul_gflops", f"matmul {MATMUL_N}x{MATMUL_N} GFLOP/s"),
                        ("prefill_tok_s", f"prefill {prompt_tokens} tokens, tok/s")):
         for d in DTYPES:
-            old, new = (results[s]["dtypes"][d][key] for s in SETTINGS)
-            lines.append(f"{label + ' ' + d:<34}{old:>10.1f}{new:>10.1f}{new / old:>7.1f}x")
+            old, new = (results[s]["dtypes"][d][key] for s in names[:2])
+            more = results[names[2]]["dtypes"].get(d)
+            lines.append(f"{label + ' ' + d:<34}{old:>10.1f}{new:>10.1f}{new / old:>7.1f}x"
+                         + (f"{more[key]:>20.1f}" if more else f"{'-':>20}"))
     return "\n".join(lines)
 
 
 def main(argv=None) -> int:
     args = parse_args(argv)
     if args.child:
-        print(json.dumps(measure(args.prompt_tokens)))
+        print(json.dumps(measure(args.prompt_tokens, args.dtypes)))
         return 0
     turns = {s: [] for s in SETTINGS}
     for turn in range(args.repeats):
@@ -130,8 +143,9 @@ def main(argv=None) -> int:
                   flush=True)
             turns[setting].append(run_child(setting, args.prompt_tokens))
     results = {s: best(turns[s]) for s in SETTINGS}
-    if not turns["openblas"][0]["openblas"]:
-        raise RuntimeError(f"the openblas child ran without it: {results['openblas']['blas']}")
+    missed = [s for s in SETTINGS if s != "bundled" and not results[s]["openblas"]]
+    if missed:
+        raise RuntimeError(f"{missed[0]} ran without OpenBLAS: {results[missed[0]]['blas']}")
     summary = {"model": "SmolLM2-135M-Instruct (float32 folder cast per dtype), paged runner",
                "prompt_tokens": args.prompt_tokens, "matmul_n": MATMUL_N,
                "repeats": args.repeats, "cpu_count": os.cpu_count(), "results": results}

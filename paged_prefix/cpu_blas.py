@@ -14,6 +14,7 @@ PAGED_PREFIX_CPU_BLAS (Linux only: macOS's MLX has Accelerate and nothing here r
   unset     OpenBLAS where installed, else MLX's bundled BLAS, which status_line() names
   openblas  required: require() raises where MLX's matmuls do not reach OpenBLAS (nox sets it)
   bundled   MLX's bundled reference BLAS (the benchmark's baseline)
+OPENBLAS_NUM_THREADS, when set, is OpenBLAS's own thread count; else it runs one thread.
 """
 
 from __future__ import annotations
@@ -28,6 +29,10 @@ from functools import lru_cache
 ENV_VAR = "PAGED_PREFIX_CPU_BLAS"
 SETTINGS = ("", "openblas", "bundled")
 SHIM_MODULE = "paged_prefix._cblas_shim"
+# One OpenBLAS thread unless OPENBLAS_NUM_THREADS says otherwise: a second one spins while it
+# waits, against MLX's and vLLM's own threads; on 2 cores prefill ran 2.3x and decode up to 5x
+# slower with it (bench/cpu_blas.py, docs/cpu.md).
+THREADS_VAR, DEFAULT_THREADS = "OPENBLAS_NUM_THREADS", 1
 
 _loaded: dict[str, ctypes.CDLL] = {}
 _why_not: list[str] = []  # set once by load() where it loads nothing
@@ -69,6 +74,8 @@ def load() -> None:
         openblas, shim = _find_libraries()
         _loaded["openblas"] = ctypes.CDLL(openblas, mode=ctypes.RTLD_GLOBAL)
         _loaded["shim"] = ctypes.CDLL(shim, mode=ctypes.RTLD_GLOBAL)  # after: it calls OpenBLAS
+        if THREADS_VAR not in os.environ:
+            _loaded["openblas"].scipy_openblas_set_num_threads(DEFAULT_THREADS)
     except OSError as e:
         _loaded.clear()
         _why_not.append(str(e))
