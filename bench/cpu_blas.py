@@ -139,7 +139,7 @@ def main(argv=None) -> int:
     turns = {s: [] for s in SETTINGS}
     for turn in range(args.repeats):
         for setting in SETTINGS:
-            print(f"[turn {turn + 1}/{args.repeats}] PAGED_PREFIX_CPU_BLAS={setting} ...",
+            print(f"[turn {turn + 1}/{args.repeats}] {setting} ...",
                   flush=True)
             turns[setting].append(run_child(setting, args.prompt_tokens))
     results = {s: best(turns[s]) for s in SETTINGS}

@@ -29,7 +29,7 @@ REQUEST_TIMEOUT_S = 600
 class Workload:
     conversations: int = 4
     turns: int = 6
-    system_words: int = 300
+    system_words: int = 256
     message_words: int = 40
     output_len: int = 32
     seed: int = 0

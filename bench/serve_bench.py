@@ -13,9 +13,9 @@ client logs and ttft.png (each request's TTFT, off and on). `--against mlx-lm` c
 mlx-lm's own server instead (bench/serve_against.py).
 
 Each server serves exactly the benchmark's requests (the client's ready check, which would
-send one more, is off by default), so its counters are theirs. The default workload (shared
-512-token prefixes, 32 requests, 8 in flight) takes about 3 minutes on 2 CPU cores with
-SmolLM2-135M in float32 on OpenBLAS (docs/cpu.md).
+send one more, is off by default), so its counters are theirs. The default workload (4 shared
+384-token prefixes, 24 requests of 448 prompt and 32 output tokens, 8 in flight) is sized for
+about 3 minutes on 2 CPU cores with SmolLM2-135M in float32 on OpenBLAS (docs/cpu.md).
 """
 
 from __future__ import annotations
@@ -48,8 +48,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--tokenizer", type=Path, default=None,
                    help="tokenizer folder for --random-weights (default: SmolLM2's)")
     p.add_argument("--num-prefixes", type=int, default=4)
-    p.add_argument("--prompts-per-prefix", type=int, default=8)
-    p.add_argument("--prefix-len", type=int, default=512)
+    p.add_argument("--prompts-per-prefix", type=int, default=6)
+    p.add_argument("--prefix-len", type=int, default=384)
     p.add_argument("--suffix-len", type=int, default=64)
     p.add_argument("--output-len", type=int, default=32)
     p.add_argument("--seed", type=int, default=0)
