@@ -59,7 +59,8 @@ def measure() -> None:
         t0 = time.perf_counter()
         for _ in range(DECODE_ROUNDS):
             runner.greedy(meta)
-        print(f"decode {rows} rows: {(time.perf_counter() - t0) / DECODE_ROUNDS * 1000:.1f} ms/step")
+        print(f"decode {rows} row{'s' * (rows > 1)}: "
+              f"{(time.perf_counter() - t0) / DECODE_ROUNDS * 1000:.1f} ms/step")
 
 
 def main(argv=None) -> int:
