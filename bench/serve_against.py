@@ -112,13 +112,13 @@ def compare(model: str, args: argparse.Namespace) -> int:
                "multi_turn": vars(turns), "results": results}
     (args.out / "summary.json").write_text(json.dumps(summary, indent=1))
     title = (f"{Path(model).name}: paged_prefix (vllm serve, prefix caching on) vs mlx_lm.server, "
-             f"both on OpenBLAS\nprefix_repetition {workload_text(args).rsplit(',', 1)[0]}; "
+             f"both on OpenBLAS\nprefix_repetition {workload_text(args)}; "
              f"multi-turn {turns.conversations} conversations x {turns.turns} turns, "
              f"{turns.output_len} out")
     serve_plot.against({w: {s: results[s][w] for s in SERVERS} for w in (*PHASES, "multi-turn")},
                        {s: results[s]["multi-turn"]["ttft_p50_ms_per_turn"] for s in SERVERS},
                        title, args.out / "against.png")
-    print(f"model {model}\nworkload {workload_text(args).rsplit(',', 1)[0]}, seed {args.seed}")
+    print(f"model {model}\nworkload {workload_text(args)}, seed {args.seed}")
     print(tables(results))
     print(f"wrote {args.out}/summary.json, against.png")
     failed = sum(results[s][p]["failed"] for s in SERVERS for p in PHASES)

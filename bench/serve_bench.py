@@ -35,6 +35,7 @@ from paged_prefix.convert_smollm2 import models_root, smollm2_folder  # noqa: E4
 from paged_prefix.models import write_folder  # noqa: E402
 
 SETTINGS = {"off": "--no-enable-prefix-caching", "on": "--enable-prefix-caching"}
+DEFAULT_CONCURRENCY = 8
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -53,9 +54,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--suffix-len", type=int, default=64)
     p.add_argument("--output-len", type=int, default=32)
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--max-concurrency", type=int, default=8,
-                   help="requests in flight at once (0: all at once); 1 makes TTFT one "
-                        "request's prefill rather than the whole batch's queue")
+    p.add_argument("--max-concurrency", type=int, default=None,
+                   help=f"requests in flight at once (default {DEFAULT_CONCURRENCY}; 0: all at "
+                        "once); 1 makes TTFT one request's prefill rather than the whole "
+                        "batch's queue. Not with --against, which runs both")
     p.add_argument("--client-timeout", type=float, default=1800.0,
                    help="seconds one benchmark client may run before it is stopped")
     p.add_argument("--against", choices=("mlx-lm",), default=None,
@@ -73,10 +75,14 @@ def parse_args(argv=None) -> argparse.Namespace:
     for name in ("num_prefixes", "prompts_per_prefix", "prefix_len", "suffix_len", "output_len"):
         if getattr(args, name) < 1:
             raise ValueError(f"--{name.replace('_', '-')}: expected >= 1, got {getattr(args, name)}")
-    if args.max_concurrency < 0:
-        raise ValueError(f"--max-concurrency: expected >= 0, got {args.max_concurrency}")
     if args.against and args.random_weights:
         raise ValueError("--against: mlx-lm serves real folders; drop --random-weights")
+    if args.against and args.max_concurrency is not None:
+        raise ValueError("--max-concurrency: --against runs all at once and one at a time")
+    if not args.against and args.max_concurrency is None:
+        args.max_concurrency = DEFAULT_CONCURRENCY
+    if args.max_concurrency is not None and args.max_concurrency < 0:
+        raise ValueError(f"--max-concurrency: expected >= 0, got {args.max_concurrency}")
     for name in ("conversations", "turns"):
         if getattr(args, name) is not None and not args.against:
             raise ValueError(f"--{name}: only with --against (the multi-turn workload)")
@@ -171,9 +177,11 @@ def table(results: dict, columns: tuple[str, ...] = ("off", "on"),
 
 
 def workload_text(args: argparse.Namespace) -> str:
-    return (f"{args.num_prefixes} prefixes x {args.prompts_per_prefix} prompts, "
-            f"{args.prefix_len}+{args.suffix_len} prompt tokens, {args.output_len} out, "
-            f"max concurrency {args.max_concurrency or 'all'}")
+    text = (f"{args.num_prefixes} prefixes x {args.prompts_per_prefix} prompts, "
+            f"{args.prefix_len}+{args.suffix_len} prompt tokens, {args.output_len} out")
+    if args.max_concurrency is None:  # --against: its workloads say
+        return text
+    return text + f", max concurrency {args.max_concurrency or 'all'}"
 
 
 def resolve_model(args: argparse.Namespace) -> str:
