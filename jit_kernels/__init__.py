@@ -2,7 +2,7 @@
 K/V, and the reference, all behind one interface (`interface.AttentionKernel`).
 
 A one-way library: plain arrays in, arrays out; nothing here imports the runner package, and
-nothing here decides which executor runs a sequence (`paged_prefix.route` does). Each backend
+nothing here decides which executor runs a sequence (the runner's route does). Each backend
 pairs a paged kernel with a page gather (and, on Hopper, a prefill kernel); only backends whose
 device exists on this machine are listed by `available_backends()`.
 """

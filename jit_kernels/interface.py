@@ -7,8 +7,8 @@
 `run` returns [T, H, D] with the rows of the plan's sequences computed; the rows of other
 sequences come from `out` when given (written into it where MLX can do so in place) and are
 unspecified otherwise. A forward whose sequences take several executors runs them in turn,
-each on the output of the one before (`paged_prefix.dispatch`). q [T, H, D] and the new rows
-k, v [T, Hkv, D] (already written into the caches) follow `reference.contract`; the caches
+each on the output of the one before. q [T, H, D] and the new rows k, v [T, Hkv, D] (already
+written into the caches) follow `reference.contract`; the caches
 come as `PagedKVCache` stores them or as [num_blocks, BS, Hkv, D] of the plan's dtype.
 
 Executors: the CUDA paged kernel (mma.sync; wgmma on Hopper), the Metal paged kernel, the

@@ -8,7 +8,7 @@
   for the batch) or by MLX's take where there is none;
 - `ReferenceAttention`: `reference.paged_attention`, the oracle, as an executor.
 New rows and rows read in place reach SDPA as [L, Hkv, D] seen heads first, gathered pages as
-[Hkv, L, D]: MLX builds a cuDNN graph per layout and shape (`paged_prefix.rules`).
+[Hkv, L, D]: MLX builds a cuDNN graph per layout and shape (the routing rules count them).
 """
 
 from __future__ import annotations
