@@ -86,11 +86,12 @@ class PagedCase:
     Pages no sequence owns hold NaN, and every block-table entry past a sequence's pages points
     at one of them, so a kernel that reads a wrong page or through padding produces NaN.
     `runs[s]` true gives sequence s one run of consecutive blocks instead, past the shuffled
-    ones, with an unowned (NaN) block before and after it.
+    ones, with an unowned (NaN) block before and after it. `k_ramp` scales key p of a sequence of
+    n by 1 + k_ramp p / n: late keys' scores far above early ones' (split parts that disagree).
     """
 
     def __init__(self, q_lens, ctx_lens, num_heads, num_kv_heads, head_dim, block_size, dtype,
-                 seed=0, num_blocks=None, high_blocks=False, q_scale=1.0, runs=None):
+                 seed=0, num_blocks=None, high_blocks=False, q_scale=1.0, runs=None, k_ramp=0.0):
         rng = np.random.default_rng(seed)
         self.seq_lens = np.array([c + q for q, c in zip(q_lens, ctx_lens)], dtype=np.int64)
         self.cu_seqlens_q = np.concatenate([[0], np.cumsum(q_lens)]).astype(np.int64)
@@ -116,7 +117,8 @@ class PagedCase:
         v_flat = mx.full(shape, float("nan"), dtype=dtype)
         self.k_seqs, self.v_seqs = [], []
         for s, n in enumerate(self.seq_lens):
-            k = mx.array(rng.standard_normal((n, num_kv_heads, head_dim)), dtype=dtype)
+            ramp = 1 + k_ramp * np.arange(n)[:, None, None] / n
+            k = mx.array(rng.standard_normal((n, num_kv_heads, head_dim)) * ramp, dtype=dtype)
             v = mx.array(rng.standard_normal((n, num_kv_heads, head_dim)), dtype=dtype)
             pos = np.arange(n)
             slots = mx.array(table[s][pos // block_size].astype(np.int64) * block_size

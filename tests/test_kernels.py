@@ -180,6 +180,16 @@ def test_large_scores(backend):
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
+def test_split_parts_that_disagree_by_far(backend):
+    """Keys split many ways, the late parts' scores far above the first's (|scale q.k| from
+    ~15 to ~150): the merge must rescale every part by the largest, not the first."""
+    plan = check(backend, [1, 2], [2500, 900], num_heads=4, num_kv_heads=2, head_dim=64,
+                 dtype=mx.float16, q_scale=5.0, k_ramp=9.0)
+    splits = plan.tiles.work_host[:, tile_plan.NUM_SPLITS]
+    assert plan.tiles.num_slots and int(splits.max()) >= 4
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
 def test_each_scale_its_own_kernel(backend):
     """The CUDA kernel compiles the scale in: two scales in one process, each its own."""
     for scale in (0.125, 0.03):

@@ -226,6 +226,11 @@ def test_a_missing_barrier_is_a_race():
      "SIMD collective ran after lanes"),
     ("threadgroup float big[9000]; big[0] = 1; out0[0] = big[0];", "threadgroup memory"),
     ("out0[0] = in0[1L << 40];", "crashed"),
+    # writes just past either end, inside the buffer's own memory page: exact bounds
+    ("if (thread_position_in_grid.x == 0) out0[4] = 1;", "out of bounds of buffer 1, at byte "
+                                                        "offset 16 \\(its size is 16 bytes\\)"),
+    ("if (thread_position_in_grid.x == 0) out0[-1] = 1;", "out of bounds of buffer 1, at byte "
+                                                         "offset -4 \\(before its start\\)"),
     ("device atomic_int* flag = (device atomic_int*)out0;"
      " while (atomic_load_explicit(flag, memory_order_relaxed) == 0) {}", "timed out"),
 ])

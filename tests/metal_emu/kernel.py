@@ -46,15 +46,13 @@ def _as_array(a) -> mx.array:
 
 def _to_numpy(a: mx.array, row_contiguous: bool) -> np.ndarray:
     """The array's bits as the kernel gets them. Row-contiguous data is copied to a 64-byte
-    aligned buffer, as Metal buffers are: MLX's CPU allocations are only 8-byte aligned, where
-    a kernel's 16-byte vector loads would fault. A strided view (row_contiguous False) stays a
-    view of MLX's memory, with its strides."""
+    aligned buffer with exact bounds (`run.shared_array`), as Metal buffers are aligned: MLX's
+    CPU allocations are only 8-byte aligned, where a kernel's 16-byte vector loads would fault.
+    A strided view (row_contiguous False) stays a view of MLX's memory, with its strides."""
     bits = np.asarray(a.view(mx.uint16) if a.dtype in (mx.float16, mx.bfloat16) else a)
     if not row_contiguous and not bits.flags.c_contiguous:
         return bits
-    raw = np.empty(bits.nbytes + 64, np.uint8)
-    start = -raw.ctypes.data % 64
-    out = raw[start:start + bits.nbytes].view(bits.dtype).reshape(bits.shape)
+    out = run.shared_array(bits.shape, bits.dtype)  # exact bounds, as outputs get
     out[...] = bits
     return out
 

@@ -27,12 +27,57 @@ class KernelError(RuntimeError):
     """The emulated kernel failed: an emulation check, a crash or a timeout."""
 
 
+_ALIGN = 64  # Metal buffers start 64-byte aligned; the emulation's do too
+_SLACK = 0xA5  # the bytes around a buffer, checked after every launch
+_PROT_NONE = 0
+_libc = ctypes.CDLL(None, use_errno=True)
+
+
+class _Guarded(mmap.mmap):
+    """A shared mapping holding one array at `start`, `nbytes` long, between guard pages."""
+
+    start = nbytes = 0
+
+
 def shared_array(shape, dtype) -> np.ndarray:
-    """A numpy array in memory a forked child writes back to the parent."""
+    """A numpy array in memory a forked child writes back to the parent, with exact bounds: it
+    ends at most 63 bytes before an inaccessible page, starts on a 64-byte boundary after one,
+    and the bytes between are a pattern `launch` checks, so an access past the last page faults
+    and a write anywhere outside the array is an error, however close to its ends."""
     dtype = np.dtype(dtype)
     nbytes = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
-    buf = mmap.mmap(-1, max(nbytes, 1))
-    return np.frombuffer(buf, dtype=dtype, count=nbytes // dtype.itemsize).reshape(shape)
+    span = -(-max(nbytes, 1) // _ALIGN) * _ALIGN
+    pages = -(-span // mmap.PAGESIZE)
+    buf = _Guarded(-1, (pages + 2) * mmap.PAGESIZE)
+    buf[:] = bytes([_SLACK]) * len(buf)
+    base = ctypes.addressof(ctypes.c_char.from_buffer(buf))
+    for guard in (base, base + (pages + 1) * mmap.PAGESIZE):
+        if _libc.mprotect(ctypes.c_void_p(guard), mmap.PAGESIZE, _PROT_NONE):
+            raise OSError(ctypes.get_errno(), "mprotect of a guard page failed")
+    buf.start, buf.nbytes = (pages + 1) * mmap.PAGESIZE - span, nbytes
+    arr = np.frombuffer(buf, dtype=np.uint8, count=nbytes, offset=buf.start)
+    return arr.view(dtype).reshape(shape)
+
+
+def _written_outside(buffer: np.ndarray) -> str | None:
+    """Where a launch wrote around a `shared_array`, or None (no check for other arrays)."""
+    buf = buffer
+    while isinstance(buf, np.ndarray):
+        buf = buf.base
+    if isinstance(buf, memoryview):
+        buf = buf.obj
+    if not isinstance(buf, _Guarded):
+        return None
+    start, nbytes = buf.start, buf.nbytes
+    view = memoryview(buf)
+    below = np.frombuffer(view[mmap.PAGESIZE:start], np.uint8)
+    above = np.frombuffer(view[start + nbytes:len(buf) - mmap.PAGESIZE], np.uint8)
+    before, past = np.flatnonzero(below != _SLACK), np.flatnonzero(above != _SLACK)
+    if len(before):
+        return f"at byte offset {int(before[0]) - len(below)} (before its start)"
+    if len(past):
+        return f"at byte offset {nbytes + int(past[0])} (its size is {nbytes} bytes)"
+    return None
 
 
 @functools.cache
@@ -86,3 +131,7 @@ def launch(library: Path, buffers: list[np.ndarray], grid, threadgroup, *, seed:
         raise KernelError(bytes(error).split(b"\0", 1)[0].decode(errors="replace"))
     if code != 0:
         raise KernelError(f"the launch failed (exit status {code})")
+    for i, buffer in enumerate(buffers):
+        where = _written_outside(buffer)
+        if where:
+            raise KernelError(f"the kernel wrote out of bounds of buffer {i}, {where}")
