@@ -372,3 +372,17 @@ def test_the_dense_oracle_sees_the_fake_error():
     with pytest.raises(AssertionError):
         assert_close(out, c.oracle(0.125), mx.float16)
     assert np.isfinite(np.array(out.astype(mx.float32))).all()
+
+
+def test_a_gathers_first_use_check_compares_its_copy_not_sdpa(monkeypatch):
+    """A copy is exact, the SDPA after it may round otherwise on its layout (on CUDA at head dim
+    32 the last digits differed, and bit equality failed every variant): the check compares the
+    gathered K/V with MLX's own gather, bit for bit, and never runs the attention."""
+    from paged_prefix import canary
+
+    monkeypatch.setattr(GatheredSdpa, "run", lambda *a, **k: pytest.fail("SDPA ran"))
+    for head_dim, dtype in ((32, mx.float16), (32, mx.float32), (64, mx.bfloat16)):
+        g = Geometry(4, 2, head_dim, 16, dtype, head_dim ** -0.5)
+        assert canary.check(GatheredSdpa(FakeGather()), g) is None
+        why = canary.check(GatheredSdpa(FakeGather(broken=True)), g)
+        assert why and "gathered k differs" in why
