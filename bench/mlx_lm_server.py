@@ -12,15 +12,11 @@ with SIGINT, then SIGKILL if they linger.
 from __future__ import annotations
 
 import json
-import signal
 import subprocess
 import sys
-import time
-import urllib.error
-import urllib.request
 from pathlib import Path
 
-from bench.vllm_server import child_env, free_port
+from bench.vllm_server import child_env, free_port, stop_process, wait_until_answering
 
 ROOT = Path(__file__).resolve().parent.parent
 LAUNCH = """import sys
@@ -36,34 +32,6 @@ main()
 def eos_ids(model: Path) -> list[int]:
     eos = json.loads((Path(model) / "config.json").read_text())["eos_token_id"]
     return eos if isinstance(eos, list) else [eos]
-
-
-def _wait(url: str, process: subprocess.Popen, log: Path, timeout_s: float) -> None:
-    """Until `url` answers at all (an HTTP error status is an answer)."""
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if process.poll() is not None:
-            raise RuntimeError(f"{url}: exited with {process.returncode} before answering; "
-                               f"log {log}")
-        try:
-            with urllib.request.urlopen(url, timeout=2):
-                return
-        except urllib.error.HTTPError:
-            return
-        except OSError:
-            time.sleep(0.5)
-    raise TimeoutError(f"{url}: no answer within {timeout_s:.0f} s; log {log}")
-
-
-def _stop(process: subprocess.Popen | None, timeout_s: float = 30.0) -> None:
-    if process is None or process.poll() is not None:
-        return
-    process.send_signal(signal.SIGINT)
-    try:
-        process.wait(timeout_s)
-    except subprocess.TimeoutExpired:
-        process.kill()
-        process.wait()
 
 
 class MlxLmServer:
@@ -87,13 +55,15 @@ class MlxLmServer:
             server = self._start([sys.executable, "-c", LAUNCH, "--model", str(self.model),
                                   "--host", "127.0.0.1", "--port", self.upstream.rsplit(":")[-1]],
                                  self.log_path)
-            _wait(self.upstream + "/v1/models", server, self.log_path, self.start_timeout)
+            wait_until_answering(self.upstream + "/v1/models", server, self.log_path,
+                                 self.start_timeout, "mlx_lm server")
             adapter_log = self.log_path.with_name(self.log_path.stem + "-adapter.log")
             adapter = self._start([sys.executable, "-m", "bench.sse_adapter",
                                    "--upstream", self.upstream, "--port", self.url.rsplit(":")[-1],
                                    "--eos", *map(str, eos_ids(self.model))], adapter_log)
             # the adapter routes POST only: its 405 to a GET says it is up
-            _wait(self.url + "/v1/completions", adapter, adapter_log, 60.0)
+            wait_until_answering(self.url + "/v1/completions", adapter, adapter_log, 60.0,
+                                 "the SSE adapter")
         except BaseException:
             self.stop()
             raise
@@ -104,7 +74,7 @@ class MlxLmServer:
 
     def stop(self) -> None:
         for process in reversed(self.processes):
-            _stop(process)
+            stop_process(process, 30.0)
 
     def blas_line(self) -> str:
         return self.log_path.read_text(errors="replace").splitlines()[0]

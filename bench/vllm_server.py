@@ -18,6 +18,7 @@ import socket
 import subprocess
 import sys
 import time
+import urllib.error
 import urllib.request
 from pathlib import Path
 
@@ -67,35 +68,52 @@ class VllmServer:
         self.stop()
 
     def _wait_ready(self) -> None:
-        deadline = time.monotonic() + self.start_timeout
-        while time.monotonic() < deadline:
-            if self.process.poll() is not None:
-                raise RuntimeError(f"vllm serve exited with {self.process.returncode} before "
-                                   f"answering; log: {self.log_path}\n{self.log_tail()}")
-            try:
-                with urllib.request.urlopen(self.url + "/v1/models", timeout=2):
-                    return
-            except OSError:
-                time.sleep(1.0)
-        raise TimeoutError(f"vllm serve did not answer within {self.start_timeout:.0f} s; "
-                           f"log: {self.log_path}")
+        wait_until_answering(self.url + "/v1/models", self.process, self.log_path,
+                             self.start_timeout, "vllm serve")
 
     def metrics(self) -> str:
         with urllib.request.urlopen(self.url + "/metrics", timeout=10) as response:
             return response.read().decode()
 
     def log_tail(self, lines: int = 40) -> str:
-        return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
+        return log_tail(self.log_path, lines)
 
     def stop(self, timeout: float = 60.0) -> None:
-        if self.process is None or self.process.poll() is not None:
-            return
-        self.process.send_signal(signal.SIGINT)
+        stop_process(self.process, timeout)
+
+
+def log_tail(log: Path, lines: int = 40) -> str:
+    return "\n".join(log.read_text(errors="replace").splitlines()[-lines:])
+
+
+def wait_until_answering(url: str, process: subprocess.Popen, log: Path, timeout_s: float,
+                         what: str) -> None:
+    """Until `url` answers at all (an HTTP error status is an answer), or `process` exits."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if process.poll() is not None:
+            raise RuntimeError(f"{what} exited with {process.returncode} before answering; "
+                               f"log: {log}\n{log_tail(log)}")
         try:
-            self.process.wait(timeout)
-        except subprocess.TimeoutExpired:
-            self.process.kill()
-            self.process.wait()
+            with urllib.request.urlopen(url, timeout=2):
+                return
+        except urllib.error.HTTPError:
+            return
+        except OSError:
+            time.sleep(0.5)
+    raise TimeoutError(f"{what} did not answer within {timeout_s:.0f} s; log: {log}")
+
+
+def stop_process(process: subprocess.Popen | None, timeout_s: float) -> None:
+    """SIGINT (a server's clean shutdown), then SIGKILL after `timeout_s`."""
+    if process is None or process.poll() is not None:
+        return
+    process.send_signal(signal.SIGINT)
+    try:
+        process.wait(timeout_s)
+    except subprocess.TimeoutExpired:
+        process.kill()
+        process.wait()
 
 
 def metric_total(metrics_text: str, name: str, **labels: str) -> float:

@@ -56,17 +56,21 @@ def half_type(dtype: mx.Dtype) -> str:
     return f'typedef unsigned short T;\n#define AB "{"bf16" if dtype == mx.bfloat16 else "f16"}"\n'
 
 
-def _expand(name: str, seen: set[str]) -> str:
-    """kernels/`name` with its includes expanded where they stand, each file once (`seen`)."""
-    parts = []
+def _lines(name: str, seen: set[str]):
+    """kernels/`name` as its lines, and the name of each include not in `seen` yet (added)."""
     for line in read(name).splitlines(keepends=True):
         match = _INCLUDE.fullmatch(line)
         if match is None:
-            parts.append(line)
+            yield line, None
         elif match[1] not in seen:
             seen.add(match[1])
-            parts.append(_expand(match[1], seen))
-    return "".join(parts)
+            yield None, match[1]
+
+
+def _expand(name: str, seen: set[str]) -> str:
+    """kernels/`name` with its includes expanded where they stand, each file once (`seen`)."""
+    return "".join(line if line is not None else _expand(included, seen)
+                   for line, included in _lines(name, seen))
 
 
 @dataclass(frozen=True)
@@ -83,16 +87,13 @@ def mlx_kernel(name: str, prelude: str) -> MlxSource:
     header, body, seen = [prelude], [], {name}
 
     def walk(part: str) -> None:
-        for line in read(part).splitlines(keepends=True):
-            match = _INCLUDE.fullmatch(line)
-            if match is None:
+        for line, included in _lines(part, seen):
+            if line is not None:
                 body.append(line)
-            elif match[1] not in seen:
-                seen.add(match[1])
-                if match[1].endswith(".inc"):
-                    walk(match[1])
-                else:
-                    header.append(_expand(match[1], seen))
+            elif included.endswith(".inc"):
+                walk(included)
+            else:
+                header.append(_expand(included, seen))
 
     walk(name)
     text = "".join(header), "".join(body)
@@ -115,13 +116,3 @@ class TranslationUnit:
 def translation_unit(name: str, prelude: str, arch: str) -> TranslationUnit:
     text = prelude + _expand(name, {name})
     return TranslationUnit(text, source_hash(text, arch))
-
-
-def fragments(*names: str) -> str:
-    """Fragments for a source built elsewhere (a benchmark's probe), expanded, each once."""
-    parts, seen = [], set()
-    for name in names:
-        if name not in seen:
-            seen.add(name)
-            parts.append(_expand(name, seen))
-    return "".join(parts)
