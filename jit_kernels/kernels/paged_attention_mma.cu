@@ -101,13 +101,8 @@
   if constexpr (MT == 1)
     for (int ks = 0; ks < KSTEPS; ++ks) q_frag(0, ks, qf[ks]);
 
-  float o[MT][DTILES][4] = {};
-  float m_run[MT][2], l_run[MT][2];
-  int pos_row[MT][2];
   const int row_lo = warp * WARP_M + lane / 4;  // this thread's rows: row_lo + 16 mt + 8 i
-  init_rows<GROUP>(m_run, l_run, pos_row, pos0, row_lo);
-  // keys < mask_from are visible to every row of the tile: those tiles skip the mask
-  const int mask_from = min(pos0 + 1, kv_end);
+#include "row_state.inc"
 
   for (int t = 0; t < num_tiles; ++t) {
     const int n0 = kv_start + t * BLOCK_N, buf = t % STAGES;

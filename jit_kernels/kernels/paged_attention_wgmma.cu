@@ -63,7 +63,8 @@ KERNEL_NAME(const T* q, const T* k_cache, const T* v_cache, const int* block_tab
       const int r = tid / CHUNKS + pass * ROWS_PER_PASS, key = n0 + r;
       const bool ok = key < kv_end;
       // a pass's rows share one page: one broadcast table load (measured faster where three
-      // blocks share an SM, slower one call at a time at short splits: docs/gpu.md)
+      // blocks share an SM, slower one call at a time at short splits: docs/kernels.md, "The
+      // paged kernel on Hopper: wgmma")
       const int first = n0 + pass * ROWS_PER_PASS;
       const size_t off =
           static_cast<size_t>(table[(first < kv_end ? first : kv_start) / BS]) * page_stride +
@@ -82,11 +83,7 @@ KERNEL_NAME(const T* q, const T* k_cache, const T* v_cache, const int* block_tab
   const int row_lo = warp * 16 + lane / 4;
   uint32_t qf[KSTEPS][4];
   load_q_fragments<GROUP>(qf, q, tok0, H, kvh, row_lo, rows, lane);
-  float o[MT][DTILES][4] = {};
-  float m_run[MT][2], l_run[MT][2];
-  int pos_row[MT][2];
-  init_rows<GROUP>(m_run, l_run, pos_row, pos0, row_lo);
-  const int mask_from = min(pos0 + 1, kv_end);
+#include "row_state.inc"
 
   for (int t = 0; t < num_tiles; ++t) {
     const int n0 = kv_start + t * BLOCK_N, buf = t % STAGES;

@@ -83,7 +83,8 @@ KERNEL_NAME(const T* q, const T* k_cache, const T* v_cache, const int* block_tab
       const int* table = block_tables + static_cast<size_t>(seq) * MAX_BLOCKS;
       const int p = lane / 2, h = lane % 2;
       // the block id of page p of a tile at key n0, read a tile ahead of its loads (between a
-      // slot's release and its loads the table read cost time: docs/gpu.md)
+      // slot's release and its loads the table read cost time: docs/kernels.md, "The prefill
+      // kernel (Hopper, TMA)")
       auto block_of = [&](int n0) {
         return lane < 2 * PAGES_PER_TILE && n0 + p * BS < kv_end ? table[n0 / BS + p] : 0;
       };
@@ -119,11 +120,7 @@ KERNEL_NAME(const T* q, const T* k_cache, const T* v_cache, const int* block_tab
   const float scale_log2 = __int_as_float(QK_SCALE_BITS);
   uint32_t qf[KSTEPS][4];
   load_q_fragments<GROUP>(qf, q, tok0, H, kvh, row_lo, rows, lane);
-  float o[MT][DTILES][4] = {};
-  float m_run[MT][2], l_run[MT][2];
-  int pos_row[MT][2];
-  init_rows<GROUP>(m_run, l_run, pos_row, pos0, row_lo);
-  const int mask_from = min(pos0 + 1, kv_end);
+#include "row_state.inc"
 
   float s[MT][NTILES][4];
   uint32_t p[KV_TILE / 16][4];
