@@ -1,6 +1,7 @@
 // Long prefills over cached prefixes on Hopper (sm_90a, compiled by NVRTC): a warp-specialized
 // kernel that loads K/V pages with TMA. A threadblock of three warpgroups takes one work item
-// of an unsplit 128-row plan (KV_START = 0): 128 query rows of one kv head, all their keys.
+// of an unsplit 128-row plan: 128 query rows of one kv head, all their keys (KV_START = 0, or
+// with a window the KV_TILE holding the tile's first visible key).
 // - the producer's first warp loads each K/V tile of KV_TILE keys page by page: a lane per K
 //   box (half a page), a lane per V box (a page), each lane holding its page's block id one
 //   tile ahead, into a ring of STAGES stages;
@@ -10,16 +11,20 @@
 //
 // Inputs:  q [T, H, 128] T; k_cache, v_cache (rows of [Hkv, 128], 16-bit, any dtype);
 //          block_tables [S, MAX_BLOCKS] int32; work [items, WORK_COLS] int32 (plan.py);
-//          tmaps uint8 [256]: the K and V map templates of these caches (tma.py).
+//          tmaps uint8 [256]: the K and V map templates of these caches (tma.py);
+//          sinks [H] float32, one logit per query head (SINKS only).
 // Outputs: out [T, H, 128] T (rows of sequences the plan leaves out are not written);
 //          maps uint8 [items * 256]: each block's K and V maps, patched with the caches'
 //          addresses.
 // Scalars: H (query heads), MAX_BLOCKS (block_tables' width).
 // Grid:    one block of NUM_THREADS (384) per work item.
 // Compile-time: T, AB, HEAD_DIM (128), GROUP, BS (8, 16 or 32), BLOCK_M (128), KV_TILE, STAGES,
-//          QK_SCALE_BITS, NUM_THREADS, PRODUCER_REGS, CONSUMER_REGS, KERNEL_NAME; W_ columns.
+//          QK_SCALE_BITS, NUM_THREADS, PRODUCER_REGS, CONSUMER_REGS, KERNEL_NAME; W_ columns;
+//          the features WINDOW, SOFTCAP (with CAP_IN_BITS, CAP_OUT_BITS), SINKS (softmax.cuh).
 // Sentinels: the padding rows of a tile (past NTOK * GROUP) are zero rows of Q, never stored;
-//          the last tile's V rows past KV_END hold other pages' data and are zeroed.
+//          the last tile's V rows past KV_END hold other pages' data and are zeroed; with a
+//          window, a first tile's pages wholly left of its first visible key are never read:
+//          their slots take that key's page again (finite, and masked out).
 // Smem (1024-byte aligned; the launch asks for 1024 bytes of slack): STAGES x [K tile
 //          [2][KV_TILE][64]][V tile: per page [2][BS][64]], swizzled; a K slot and a V slot each
 //          have a "full" barrier (the producer's loads) and an "empty" one (every consumer
@@ -40,8 +45,11 @@ __device__ __forceinline__ uint64_t paged_v_desc(uint32_t v_t, int kk) {
 
 extern "C" __global__ void __launch_bounds__(NUM_THREADS, 1)
 KERNEL_NAME(const T* q, const T* k_cache, const T* v_cache, const int* block_tables,
-            const int* work, const unsigned char* tmaps, T* out, unsigned char* maps, int H,
-            int MAX_BLOCKS) {
+            const int* work, const unsigned char* tmaps,
+#if SINKS
+            const float* sinks,
+#endif
+            T* out, unsigned char* maps, int H, int MAX_BLOCKS) {
   constexpr int D = HEAD_DIM, KSTEPS = D / 16, DTILES = D / 8, NTILES = KV_TILE / 8, MT = 1;
   constexpr int HALF = KV_TILE * 64, TILE = KV_TILE * D;
   constexpr int PAGE_BYTES = BS * 256, PAGES_PER_TILE = KV_TILE / BS;
@@ -85,8 +93,16 @@ KERNEL_NAME(const T* q, const T* k_cache, const T* v_cache, const int* block_tab
       // the block id of page p of a tile at key n0, read a tile ahead of its loads (between a
       // slot's release and its loads the table read cost time: docs/kernels.md, "The prefill
       // kernel (Hopper, TMA)")
+#if WINDOW
+      const int page_lo = max(pos0 - item[W_WINDOW] + 1, 0) / BS;  // the first visible key's
+#endif
       auto block_of = [&](int n0) {
-        return lane < 2 * PAGES_PER_TILE && n0 + p * BS < kv_end ? table[n0 / BS + p] : 0;
+#if WINDOW
+        const int page = max(n0 / BS + p, page_lo);
+#else
+        const int page = n0 / BS + p;
+#endif
+        return lane < 2 * PAGES_PER_TILE && n0 + p * BS < kv_end ? table[page] : 0;
       };
       int next = block_of(kv_start);
       for (int t = 0; t < num_tiles; ++t) {
@@ -133,7 +149,7 @@ KERNEL_NAME(const T* q, const T* k_cache, const T* v_cache, const int* block_tab
     pin(s);
     mbar_arrive(smem_addr(&empty_k[0]));
     float alpha[MT][2];  // O is zero: nothing to rescale
-    online_softmax(s, m_run, l_run, alpha, pos_row, n0, mask_from, kv_end, lane, scale_log2);
+    online_softmax(s, m_run, l_run, alpha, pos_row, n0, logits, lane, scale_log2);
     pack_p<T>(p, s[0]);
   }
   for (int t = 0; t + 1 < num_tiles; ++t) {  // S of tile t + 1 and O += P V of tile t at once
@@ -150,7 +166,7 @@ KERNEL_NAME(const T* q, const T* k_cache, const T* v_cache, const int* block_tab
     pin(s);
     mbar_arrive(smem_addr(&empty_k[nstage]));
     float alpha[MT][2];
-    online_softmax(s, m_run, l_run, alpha, pos_row, n0, mask_from, kv_end, lane, scale_log2);
+    online_softmax(s, m_run, l_run, alpha, pos_row, n0, logits, lane, scale_log2);
     wgmma_wait<0>();
     pin(o);
     mbar_arrive(smem_addr(&empty_v[stage]));
@@ -180,9 +196,14 @@ KERNEL_NAME(const T* q, const T* k_cache, const T* v_cache, const int* block_tab
   }
 
   for (int i = 0; i < 2; ++i) {
-    const float l = row_sum(l_run[0][i]);
-    const float inv = l > 0.f ? 1.f / l : 0.f;
     const int row = row_lo + 8 * i;
+#if SINKS
+    const float l = with_sink(row_sum(l_run[0][i]), m_run[0][i] * scale_log2,
+                              sinks[kvh * GROUP + row % GROUP]);
+#else
+    const float l = row_sum(l_run[0][i]);
+#endif
+    const float inv = l > 0.f ? 1.f / l : 0.f;
     if (row >= rows) continue;
     store_row(out + row_offset<GROUP, D>(tok0, H, kvh, row), o[0], i, inv, lane);
   }
