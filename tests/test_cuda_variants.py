@@ -373,7 +373,7 @@ def test_first_use_check_runs_each_variant(backend, features):
                          ids=["W1", "W7", "Wblock", "Wblock+1", "W4096"])
 def test_prefill_window(block_size, window_of):
     """128-row tiles over windows that start mid-page, mid-tile and before the sequence."""
-    g = variant(32, 8, 128, block_size, mx.bfloat16, window=window_of(block_size))
+    g = variant(16, 4, 128, block_size, mx.bfloat16, window=window_of(block_size))
     kernel = available_backends()["cuda"].prefill
     plan = check(kernel, g, [300, 77, 5, 600], [16, 2000, 3333, 2400], seed=block_size)
     assert (plan.tiles.work_host[:, tile_plan.WINDOW] == g.window).all()

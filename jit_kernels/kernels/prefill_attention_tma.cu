@@ -24,7 +24,7 @@
 // Sentinels: the padding rows of a tile (past NTOK * GROUP) are zero rows of Q, never stored;
 //          the last tile's V rows past KV_END hold other pages' data and are zeroed; with a
 //          window, a first tile's pages wholly left of its first visible key are never read:
-//          their slots take that key's page again (finite, and masked out).
+//          their slots take that key's page again (masked out, their V rows zeroed).
 // Smem (1024-byte aligned; the launch asks for 1024 bytes of slack): STAGES x [K tile
 //          [2][KV_TILE][64]][V tile: per page [2][BS][64]], swizzled; a K slot and a V slot each
 //          have a "full" barrier (the producer's loads) and an "empty" one (every consumer
@@ -67,6 +67,9 @@ KERNEL_NAME(const T* q, const T* k_cache, const T* v_cache, const int* block_tab
   const int kvh = item[W_KV_HEAD], kv_start = item[W_KV_START], kv_end = item[W_KV_END];
   const int rows = ntok * GROUP;
   const int num_tiles = (kv_end - kv_start + KV_TILE - 1) / KV_TILE;
+#if WINDOW
+  const int key_lo = max(pos0 - item[W_WINDOW] + 1, 0);  // the tile's first visible key
+#endif
   unsigned char* maps_g = maps + static_cast<size_t>(blockIdx.x) * 256;
 
   if (tid < 32) {  // the block's K and V maps: the templates, with the caches' addresses
@@ -93,12 +96,9 @@ KERNEL_NAME(const T* q, const T* k_cache, const T* v_cache, const int* block_tab
       // the block id of page p of a tile at key n0, read a tile ahead of its loads (between a
       // slot's release and its loads the table read cost time: docs/kernels.md, "The prefill
       // kernel (Hopper, TMA)")
-#if WINDOW
-      const int page_lo = max(pos0 - item[W_WINDOW] + 1, 0) / BS;  // the first visible key's
-#endif
       auto block_of = [&](int n0) {
 #if WINDOW
-        const int page = max(n0 / BS + p, page_lo);
+        const int page = max(n0 / BS + p, key_lo / BS);  // never a page left of the window
 #else
         const int page = n0 / BS + p;
 #endif
@@ -138,6 +138,25 @@ KERNEL_NAME(const T* q, const T* k_cache, const T* v_cache, const int* block_tab
   load_q_fragments<GROUP>(qf, q, tok0, H, kvh, row_lo, rows, lane);
 #include "row_state.inc"
 
+  // V rows of a stage's tile whose keys the item does not read hold other data: past kv_end
+  // another page's rows, below a window's first visible key that key's page again (its rows
+  // past the sequence's end included). P is 0 there; V is made 0 too, for both consumers.
+  auto clear_v = [&](int stage, int n0) {
+    T* v_s = sK + (2 * stage + 1) * TILE;
+    for (int i = tid - 128; i < KV_TILE * 16; i += 256) {
+      const int r = i / 16, c = i % 16;  // key r of the tile, 16-byte chunk c of its row
+#if WINDOW
+      if (n0 + r >= kv_end || n0 + r < key_lo)
+#else
+      if (n0 + r >= kv_end)
+#endif
+        *reinterpret_cast<uint4*>(v_s + (r / BS) * BS * 128 + (c / 8) * BS * 64 +
+                                  (r % BS) * 64 + (c % 8) * 8) = make_uint4(0u, 0u, 0u, 0u);
+    }
+    fence_async_smem();
+    asm volatile("bar.sync 1, 256;" ::: "memory");
+  };
+
   float s[MT][NTILES][4];
   uint32_t p[KV_TILE / 16][4];
   {  // S of the first tile, its softmax and P
@@ -160,6 +179,9 @@ KERNEL_NAME(const T* q, const T* k_cache, const T* v_cache, const int* block_tab
     const int n0 = kv_start + (t + 1) * KV_TILE;
     mbar_wait(smem_addr(&full_v[stage]), phase);
     mbar_wait(smem_addr(&full_k[nstage]), nphase);
+#if WINDOW
+    if (t == 0 && kv_start < key_lo) clear_v(stage, kv_start);
+#endif
     s_issue(s, qf, k_t);
     pv_issue(o, p, [&](int kk) { return paged_v_desc(v_t, kk); });
     wgmma_wait<1>();  // S is done: its softmax runs while the tensor cores do P V
@@ -178,17 +200,11 @@ KERNEL_NAME(const T* q, const T* k_cache, const T* v_cache, const int* block_tab
     const int n0 = kv_start + t * KV_TILE;
     const uint32_t v_t = smem_addr(sK + (2 * stage + 1) * TILE);
     mbar_wait(smem_addr(&full_v[stage]), phase);
-    if (n0 + KV_TILE > kv_end) {  // rows past the range hold other data: P is 0 there, V too
-      T* v_s = sK + (2 * stage + 1) * TILE;
-      for (int i = tid - 128; i < KV_TILE * 16; i += 256) {
-        const int r = i / 16, c = i % 16;  // key r of the tile, 16-byte chunk c of its row
-        if (n0 + r >= kv_end)
-          *reinterpret_cast<uint4*>(v_s + (r / BS) * BS * 128 + (c / 8) * BS * 64 +
-                                    (r % BS) * 64 + (c % 8) * 8) = make_uint4(0u, 0u, 0u, 0u);
-      }
-      fence_async_smem();
-      asm volatile("bar.sync 1, 256;" ::: "memory");  // both consumers read the tile
-    }
+#if WINDOW
+    if (n0 + KV_TILE > kv_end || n0 < key_lo) clear_v(stage, n0);
+#else
+    if (n0 + KV_TILE > kv_end) clear_v(stage, n0);
+#endif
     wgmma_fence();
     pv_issue(o, p, [&](int kk) { return paged_v_desc(v_t, kk); });
     wgmma_wait<0>();
