@@ -1,6 +1,8 @@
 """The varlen conv and gated delta rule against mlx-lm's per-sequence formulation on the same
-inputs, segment by segment with the state carried: bit for bit (float32), since each sequence
-runs the same ops in the same order whether it shares its batch or not."""
+inputs, segment by segment with the state carried: bit for bit on the CPU (float32), since
+each sequence runs the same ops in the same order whether it shares its batch or not. On a GPU
+backend a kernel may reduce in another order for another batch shape (not measured there), so
+there they are held to float32's tolerance instead."""
 
 import mlx.core as mx
 import numpy as np
@@ -9,6 +11,7 @@ from mlx_lm.models import lfm2
 from mlx_lm.models.gated_delta import gated_delta_update, normalize_qk
 
 from paged_prefix.recurrent import HYBRID_CONFIGS, build_plan, causal_conv, gated_delta
+from tests.conftest import ON_GPU, assert_close
 
 LAYOUTS = {
     "fresh and stored, odd lengths": ([5, 17, 2, 9], [[], [], [], []]),
@@ -16,6 +19,14 @@ LAYOUTS = {
     "decode rows": ([1] * 6, [[]] * 6),
     "mixed": ([1, 12, 1, 30, 3], [[], [2, 10], [], [16], []]),
 }
+
+
+def assert_same(got: mx.array, ref: mx.array, what: str) -> None:
+    if ON_GPU:
+        assert_close(got, np.array(ref), mx.float32, what)
+    else:
+        assert got.dtype == ref.dtype and mx.array_equal(got, ref), \
+            f"{what}: differs by up to {mx.abs(got - ref).max().item()}"
 
 
 def segments(lens, boundaries):
@@ -44,8 +55,8 @@ def test_causal_conv_is_mlx_lms_concat_then_conv(layout):
         ref_y.append(conv(conv_input)[0])
         carried[s] = conv_input[:, -(k - 1):]  # what mlx-lm keeps as the next conv state
         ref_states.append(carried[s][0])
-    assert mx.array_equal(y, mx.concatenate(ref_y))
-    assert mx.array_equal(states, mx.stack(ref_states))
+    assert_same(y, mx.concatenate(ref_y), "y")
+    assert_same(states, mx.stack(ref_states), "states")
 
 
 @pytest.mark.parametrize("layout", LAYOUTS, ids=list(LAYOUTS))
@@ -71,8 +82,9 @@ def test_gated_delta_is_mlx_lms_update_per_sequence(layout):
                                              carried.get(s, state[s:s + 1]))
         ref_y.append(out[0])
         ref_states.append(carried[s][0])
-    assert mx.array_equal(y, mx.concatenate(ref_y))
-    assert states.dtype == mx.float32 and mx.array_equal(states, mx.stack(ref_states))
+    assert_same(y, mx.concatenate(ref_y), "y")
+    assert states.dtype == mx.float32
+    assert_same(states, mx.stack(ref_states), "states")
 
 
 def test_a_later_round_leaves_the_callers_state_alone():
