@@ -3,9 +3,10 @@
 The oracle is mlx-lm's model (the weights the runner was built from) over the whole prompt in
 one call, float32, its log_softmax taken in float64. The runner computes the prompt in chunks
 through the paged cache, and its packed, fused matmuls reach the BLAS in other shapes than
-mlx-lm's: ATOL bounds the difference (9.5e-7 measured at most, float32 on OpenBLAS). Row i of
-a request's rows scores prompt position i for prompt token i + 1, then the top N, as vLLM's
-GPU runner returns them; they arrive whole in the step that computes the prompt's last token.
+mlx-lm's: ATOL bounds the difference (9.2e-7 measured at most, float32, OpenBLAS or MLX's own
+BLAS). Row i of a request's rows scores prompt position i for prompt token i + 1, then the
+top N, as vLLM's GPU runner returns them; they arrive whole in the step that computes the
+prompt's last token.
 """
 
 from __future__ import annotations
