@@ -118,7 +118,7 @@ class MetalPagedAttention(PagedAttentionKernel):
         return self._kernels[key]
 
     def launch(self, q: mx.array, k_cache: mx.array, v_cache: mx.array,
-               plan: MetalAttentionPlan) -> mx.array:
+               plan: MetalAttentionPlan, sinks: mx.array | None = None) -> mx.array:
         g, tiles = plan.geometry, plan.tiles
         out, o_part, lse_part = self._kernel("attention", g)(
             inputs=[q, k_cache, v_cache, plan.block_tables, tiles.work, plan.qk_scale],
