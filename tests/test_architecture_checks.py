@@ -28,17 +28,25 @@ from mlx_lm.models.rope_utils import (
 from paged_prefix.architectures import ARRAY_OFFSET_ROPES, check_model
 from paged_prefix.kv_cache import PagedKVCache
 from paged_prefix.model_loader import load_model, read_config
-from paged_prefix.models import BUILTIN_CONFIGS, build_model, hf_config, resolve_config, write_folder
+from paged_prefix.models import (
+    BUILTIN_CONFIGS,
+    build_model,
+    hf_config,
+    resolve_config,
+    write_folder,
+)
 from paged_prefix.runner import PagedModelRunner
 
 ROPES = {
     nn.RoPE: nn.RoPE(32, base=10000.0, scale=0.5),
     Llama3RoPE: Llama3RoPE(32, 1024, base=500000.0, scaling_config=dict(
-        factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0, original_max_position_embeddings=64)),
+        factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
+        original_max_position_embeddings=64)),
     YarnRoPE: YarnRoPE(32, max_position_embeddings=4096, base=150000.0, scaling_factor=32.0,
                        original_max_position_embeddings=64),
-    SuScaledRoPE: SuScaledRoPE(32, max_position_embeddings=1024, original_max_position_embeddings=64,
-                               short_factor=[1.0] * 16, long_factor=np.linspace(1, 4, 16).tolist()),
+    SuScaledRoPE: SuScaledRoPE(32, max_position_embeddings=1024,
+                               original_max_position_embeddings=64, short_factor=[1.0] * 16,
+                               long_factor=np.linspace(1, 4, 16).tolist()),
     ProportionalRoPE: ProportionalRoPE(32, 16, base=10000.0, factor=2.0),
 }
 

@@ -56,7 +56,8 @@ def runs(folders) -> dict:
     proc = subprocess.run([sys.executable, str(DRIVER), *map(str, folders.values())], env=env,
                           capture_output=True, text=True, timeout=1800)
     lines = [line for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
-    assert proc.returncode == 0 and lines, f"driver failed ({proc.returncode}):\n{proc.stderr[-4000:]}"
+    assert proc.returncode == 0 and lines, \
+        f"driver failed ({proc.returncode}):\n{proc.stderr[-4000:]}"
     assert "Traceback" not in proc.stderr, f"driver logged an error:\n{proc.stderr[-4000:]}"
     by_folder = json.loads(lines[-1][len("RESULT "):])
     return {name: by_folder[str(folder)] for name, folder in folders.items()}
