@@ -9,12 +9,17 @@ merge launch: merging inside the attention launch (as the CUDA kernel does) need
 device-scope release/acquire between threadgroups, which MSL offers only from Metal 3.2 on, and
 nothing here could check it on Apple hardware.
 
+Variants (compile-time features, each its own kernel): a sliding window (its size a per-call
+input; kv tiles left of a query tile's window are never visited, nor its keys there read),
+logit softcapping and attention sinks (the sink of a split row joins in the merge).
+
 Nothing here has been run or timed on Apple hardware. The exact sources MLX would compile are
 executed on the CPU by the tests (`tests/metal_emu`), against a float64 oracle.
 """
 
 from __future__ import annotations
 
+import itertools
 import math
 from dataclasses import dataclass
 
@@ -42,21 +47,51 @@ GPU_CORES = 16
 LOG2E = math.log2(math.e)
 
 
-# The kernels: kernels/paged_attention.metal and, for split tiles, kernels/split_merge.metal.
-ATTENTION = sources.mlx_kernel(
+
+
+@dataclass(frozen=True)
+class Features:
+    """A variant's compile-time features: each a PP_ macro (0 or 1) of the kernel sources."""
+
+    window: bool = False
+    softcap: bool = False
+    sinks: bool = False
+
+    @classmethod
+    def of(cls, g: Geometry) -> Features:
+        return cls(g.window is not None, g.softcap is not None, g.sinks)
+
+    def macros(self, *names: str) -> str:
+        return "".join(f"#define PP_{name.upper()} {int(getattr(self, name))}\n" for name in names)
+
+    def inputs(self) -> list[str]:
+        """The attention kernel's inputs past qk_scale, in order."""
+        return [name for name in ("window", "softcap", "sinks") if getattr(self, name)]
+
+
+ALL_FEATURES = tuple(Features(*on) for on in itertools.product((False, True), repeat=3))
+# The kernels: kernels/paged_attention.metal and, for split tiles, kernels/split_merge.metal,
+# one source per feature set (the merge's only feature is the sink).
+ATTENTION = {f: sources.mlx_kernel(
     "paged_attention.metal",
+    f.macros("window", "softcap", "sinks") +
     sources.constants(sources.METAL, BLOCK_Q=BLOCK_Q, NUM_THREADS=NUM_THREADS) +
     sources.columns(sources.METAL, "W_", tile_plan.WORK_COLUMNS, "WORK_COLS"))
-MERGE = sources.mlx_kernel(
+    for f in ALL_FEATURES}
+MERGE = {sinks: sources.mlx_kernel(
     "split_merge.metal",
+    Features(sinks=sinks).macros("sinks") +
     sources.constants(sources.METAL, BLOCK_Q=BLOCK_Q, NUM_THREADS=NUM_THREADS) +
     sources.columns(sources.METAL, "M_", tile_plan.MERGE_COLUMNS, "MERGE_COLS"))
+    for sinks in (False, True)}
 
 
 @dataclass(frozen=True)
 class MetalAttentionPlan(Plan):
     tiles: tile_plan.TilePlan
-    qk_scale: mx.array  # float32 [1]: scale * log2(e), folded into Q
+    qk_scale: mx.array  # float32 [1]: scale * log2(e), folded into Q; softcapped: scale / cap
+    features: Features
+    feature_inputs: list  # window int32 [1] (W), softcap float32 [1] (cap * log2(e)), if used
     launch: dict  # the attention call's arguments other than its inputs
     merge_launch: dict | None  # the merge's, when the plan splits keys
 
@@ -82,7 +117,16 @@ class MetalPagedAttention(PagedAttentionKernel):
         g, seqs = geometry, lengths.seqs(seqs)
         tiles = tile_plan.build_tile_plan(lengths.cu_seqlens_q, lengths.seq_lens, g.group,
                                           g.num_kv_heads, BLOCK_Q, BLOCK_N[g.head_dim],
-                                          GPU_CORES, seqs=np.asarray(seqs))
+                                          GPU_CORES, seqs=np.asarray(seqs), window=g.window)
+        features = Features.of(g)
+        feature_inputs = []
+        if features.window:
+            feature_inputs.append(mx.array([g.window], dtype=mx.int32))
+        if features.softcap:  # tanh's argument is the natural-unit logit over the cap
+            qk_scale = g.scale / g.softcap
+            feature_inputs.append(mx.array([g.softcap * LOG2E], dtype=mx.float32))
+        else:
+            qk_scale = g.scale * LOG2E
         out_shape = (lengths.num_tokens, g.num_heads, g.head_dim)
         slots = max(tiles.num_slots, 1)  # outputs cannot be empty; unused when nothing is split
         launch = dict(
@@ -98,17 +142,19 @@ class MetalPagedAttention(PagedAttentionKernel):
             output_shapes=[out_shape], output_dtypes=[g.dtype])
         return MetalAttentionPlan(
             g, lengths, block_tables, seqs, tiles=tiles,
-            qk_scale=mx.array([g.scale * LOG2E], dtype=mx.float32), launch=launch,
-            merge_launch=merge_launch)
+            qk_scale=mx.array([qk_scale], dtype=mx.float32), features=features,
+            feature_inputs=feature_inputs, launch=launch, merge_launch=merge_launch)
 
-    def _kernel(self, kind: str, g: Geometry):
-        key = (kind, g.dtype, g.head_dim, g.group, g.block_size)
+    def _kernel(self, kind: str, g: Geometry, f: Features):
+        key = (kind, g.dtype, g.head_dim, g.group, g.block_size, f)
         if key not in self._kernels:
-            variant = f"{dtype_name(g.dtype)}_d{g.head_dim}_g{g.group}_b{g.block_size}"
+            variant = "_".join([f"{dtype_name(g.dtype)}_d{g.head_dim}_g{g.group}_b{g.block_size}",
+                                *f.inputs()])
             inputs, outputs, source = {
-                "attention": (["q", "k_cache", "v_cache", "block_tables", "work", "qk_scale"],
-                              ["out", "o_part", "lse_part"], ATTENTION),
-                "merge": (["o_part", "lse_part", "merge", "attn_out"], ["out"], MERGE),
+                "attention": (["q", "k_cache", "v_cache", "block_tables", "work", "qk_scale",
+                               *f.inputs()], ["out", "o_part", "lse_part"], ATTENTION[f]),
+                "merge": (["o_part", "lse_part", "merge", "attn_out", *(["sinks"] * f.sinks)],
+                          ["out"], MERGE[f.sinks]),
             }[kind]
             # ensure_row_contiguous (the default) copies a strided input: the runner's caches
             # (PagedKVCache's arrays, as stored) are contiguous, bound in place.
@@ -118,12 +164,14 @@ class MetalPagedAttention(PagedAttentionKernel):
         return self._kernels[key]
 
     def launch(self, q: mx.array, k_cache: mx.array, v_cache: mx.array,
-               plan: MetalAttentionPlan) -> mx.array:
-        g, tiles = plan.geometry, plan.tiles
-        out, o_part, lse_part = self._kernel("attention", g)(
-            inputs=[q, k_cache, v_cache, plan.block_tables, tiles.work, plan.qk_scale],
+               plan: MetalAttentionPlan, sinks: mx.array | None = None) -> mx.array:
+        g, tiles, f = plan.geometry, plan.tiles, plan.features
+        sink_input = [sinks] if f.sinks else []
+        out, o_part, lse_part = self._kernel("attention", g, f)(
+            inputs=[q, k_cache, v_cache, plan.block_tables, tiles.work, plan.qk_scale,
+                    *plan.feature_inputs, *sink_input],
             **plan.launch)
         if tiles.merge is None:
             return out
-        return self._kernel("merge", g)(inputs=[o_part, lse_part, tiles.merge, out],
-                                        **plan.merge_launch)[0]
+        return self._kernel("merge", g, f)(inputs=[o_part, lse_part, tiles.merge, out,
+                                                   *sink_input], **plan.merge_launch)[0]

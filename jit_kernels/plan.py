@@ -14,7 +14,8 @@ Work list (int32 [num_items, WORK_COLS]), one threadblock per row:
   NTOK        tokens in the tile (1 .. block_m // group)
   POS0        absolute position of the first token (context_len + its index in the sequence)
   KV_HEAD     kv head
-  KV_START    first key of this item's range (a multiple of block_n)
+  KV_START    first key of this item's range (a multiple of block_n; with a sliding window,
+              from the kv tile holding the tile's first row's first visible key)
   KV_END      one past its last key; the tile's causal frontier POS0 + NTOK unless split
   SLOT        partial-output slot when the item's tile is split, else -1 (write `out` directly)
   TILE        index of the (sequence, q tile, kv head) the item belongs to
@@ -108,27 +109,32 @@ def build_tile_plan(
     min_chunk: int = 2,
     min_items: int | None = None,
     seqs: np.ndarray | None = None,
+    window: int | None = None,
 ) -> TilePlan:
     """The work list (and merge list when KV is split) of one forward; see the module doc.
 
     KV is split when the plan has fewer than min_items (default num_sms: one per core)
     query tiles, into about num_sms * ctas_per_sm items of >= min_chunk kv tiles each.
     `seqs` (sorted batch indices) plans only those sequences: the others' rows of `out` are
-    left unwritten, for a caller that computes them another way.
+    left unwritten, for a caller that computes them another way. `window` (W keys) starts each
+    tile's range at the kv tile holding key max(0, POS0 - W + 1): tiles wholly left of every
+    row's window are never planned, and splits share out the in-window tiles only.
     """
     (seq, tok0, ntok, pos0), kv_head = _query_tiles(cu_seqlens_q, seq_lens, group, num_kv_heads,
                                                     block_m, seqs)
     kv_end = pos0 + ntok
-    kv_tiles = -(-kv_end // block_n)
+    first_tile = (np.zeros_like(pos0) if window is None
+                  else np.maximum(pos0 - window + 1, 0) // block_n)
+    kv_tiles = -(-kv_end // block_n) - first_tile
     min_items = num_sms if min_items is None else min_items
     splits = split_counts(kv_tiles, min_items, num_sms * ctas_per_sm, min_chunk)
-    # balanced chunks: split j of a tile covers kv tiles [j*n//k, (j+1)*n//k)
+    # balanced chunks: split j of a tile covers kv tiles first + [j*n//k, (j+1)*n//k)
     tile = np.repeat(np.arange(len(seq)), splits)
     j = np.arange(len(tile)) - np.repeat(np.cumsum(splits) - splits, splits)
     k = splits[tile]
     n = kv_tiles[tile]
-    start = (j * n // k) * block_n
-    end = np.minimum(((j + 1) * n // k) * block_n, kv_end[tile])
+    start = (first_tile[tile] + j * n // k) * block_n
+    end = np.minimum((first_tile[tile] + (j + 1) * n // k) * block_n, kv_end[tile])
     # only split tiles own partial slots: the others write `out` directly
     split = splits > 1
     slots_per_tile = np.where(split, splits, 0)
