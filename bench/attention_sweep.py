@@ -30,6 +30,7 @@ import json
 import statistics
 import time
 from dataclasses import dataclass
+from pathlib import Path
 
 import mlx.core as mx
 import numpy as np
@@ -256,7 +257,7 @@ def print_table(rows: list[dict]) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--out", default="attention_sweep.json", help="JSON results path")
+    parser.add_argument("--out", default="results/attention_sweep.json", help="JSON results path")
     parser.add_argument("--quick", action="store_true", help="small sizes (CPU smoke run)")
     parser.add_argument("--only", default="", help="comma-separated point names to run")
     args = parser.parse_args()
@@ -271,6 +272,7 @@ def main() -> None:
     info = {"device": mx.device_info(), "backend": backend_name, "quick": quick,
             "dtype": str(DTYPE), "heads": HEADS, "kv_heads": KV_HEADS, "head_dim": HEAD_DIM,
             "block_size": BLOCK_SIZE}
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     with open(args.out, "w") as f:
         json.dump({"info": info, "rows": rows}, f, indent=1, default=str)
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import mlx.core as mx
 import numpy as np
 
-from reference import check_arrays
+from reference import check_arrays, check_variant
 
 from .geometry import Geometry, Lengths
 
@@ -63,10 +63,10 @@ def _pages(cache: mx.array, geometry: Geometry, name: str) -> mx.array:
 
 
 def check_call(name: str, geometry: Geometry, lengths: Lengths, q: mx.array, k: mx.array,
-               v: mx.array, k_cache: mx.array, v_cache: mx.array,
-               block_tables: mx.array) -> None:
+               v: mx.array, k_cache: mx.array, v_cache: mx.array, block_tables: mx.array,
+               sinks: mx.array | None = None) -> None:
     """An executor's entry check (shapes only, no host sync): the contract, the plan's
-    geometry, then the new rows."""
+    geometry, the new rows, then the sinks (given exactly when the geometry has them)."""
     pages = _pages(k_cache, geometry, "k_cache")
     check_arrays(q, pages, _pages(v_cache, geometry, "v_cache"), block_tables,
                  lengths.num_tokens, lengths.num_seqs, lengths.max_seq_len)
@@ -80,3 +80,7 @@ def check_call(name: str, geometry: Geometry, lengths: Lengths, q: mx.array, k: 
     want = (q.shape[0], pages.shape[2], pages.shape[3])
     if k.shape != want or v.shape != want:
         raise ValueError(f"k, v: new rows must be {want}, got {k.shape} and {v.shape}")
+    if geometry.sinks != (sinks is not None):
+        raise ValueError(f"sinks: the plan's geometry {'has' if geometry.sinks else 'has no'} "
+                         f"sinks, the call passes {'none' if sinks is None else 'some'}")
+    check_variant(None, None, sinks, geometry.num_heads)

@@ -203,7 +203,7 @@ class CudaPagedAttention(PagedAttentionKernel):
         return self._kernels[key]
 
     def launch(self, q: mx.array, k_cache: mx.array, v_cache: mx.array,
-               plan: CudaAttentionPlan) -> mx.array:
+               plan: CudaAttentionPlan, sinks: mx.array | None = None) -> mx.array:
         counters, after = plan.order.take()
         out, _, lse_part = self._kernel(plan.geometry, plan.block_m, plan.warp_m)(
             inputs=[q, k_cache, v_cache, plan.block_tables, plan.tiles.work, counters, after],

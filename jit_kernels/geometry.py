@@ -1,5 +1,6 @@
-"""What a plan is built for: the call geometry, the batch's checked host lengths, and the rules
-every kernel shares (tensor-core dtypes, whole GQA groups per query tile, tested block sizes).
+"""What a plan is built for: the call geometry (with its attention variant), the batch's checked
+host lengths, and the rules every kernel shares (tensor-core dtypes, whole GQA groups per query
+tile, tested block sizes, the variants it implements).
 """
 
 from __future__ import annotations
@@ -9,7 +10,7 @@ from dataclasses import dataclass
 import mlx.core as mx
 import numpy as np
 
-from reference import check_lengths, host_ints
+from reference import check_lengths, check_variant, host_ints, key_start
 
 DTYPES = (mx.float16, mx.bfloat16)
 BLOCK_SIZES = (8, 16, 32)
@@ -20,9 +21,15 @@ def dtype_name(dtype: mx.Dtype) -> str:
     return str(dtype).split(".")[-1]
 
 
+# A variant's features, as kernels name what they implement: each is compiled in or out.
+FEATURES = ("window", "softcap", "sinks")
+
+
 @dataclass(frozen=True)
 class Geometry:
-    """The shape of one forward's attention calls."""
+    """The shape of one forward's attention calls, and their variant (`reference.contract`):
+    `window` W (None: full causal), `softcap` (None: none), `sinks` (the calls pass one logit
+    per query head)."""
 
     num_heads: int
     num_kv_heads: int
@@ -30,6 +37,9 @@ class Geometry:
     block_size: int
     dtype: mx.Dtype
     scale: float
+    window: int | None = None
+    softcap: float | None = None
+    sinks: bool = False
 
     def __post_init__(self):
         for name in ("num_heads", "num_kv_heads", "head_dim", "block_size"):
@@ -39,18 +49,40 @@ class Geometry:
         if self.num_heads % self.num_kv_heads:
             raise ValueError(f"num_heads: {self.num_heads} is not a multiple of "
                              f"{self.num_kv_heads} kv heads")
+        check_variant(self.window, self.softcap, None, self.num_heads)
+        if not isinstance(self.sinks, bool):
+            raise ValueError(f"sinks: expected a bool, got {self.sinks!r}")
 
     @property
     def group(self) -> int:
         return self.num_heads // self.num_kv_heads
 
+    @property
+    def features(self) -> str:
+        """The variant's features joined by "+" ("" for plain causal attention)."""
+        on = (self.window is not None, self.softcap is not None, self.sinks)
+        return "+".join(name for name, used in zip(FEATURES, on) if used)
+
     def variant(self) -> tuple:
-        """What selects a compiled kernel: (dtype, head_dim, group, block_size)."""
-        return (dtype_name(self.dtype), self.head_dim, self.group, self.block_size)
+        """What selects a compiled kernel: (dtype, head_dim, group, block_size, features); a
+        window's size and a cap's value are per-call values."""
+        return (dtype_name(self.dtype), self.head_dim, self.group, self.block_size,
+                self.features)
+
+    def describe(self) -> str:
+        """The variant for a log line."""
+        dtype, head_dim, group, block, features = self.variant()
+        return (f"dtype={dtype} head_dim={head_dim} group={group} block={block}"
+                + (f" {features}" if features else ""))
 
 
-def unsupported_reason(geometry: Geometry, head_dims: tuple[int, ...]) -> str | None:
-    """Why a tensor-core kernel built for these head dims cannot run this geometry, or None."""
+def unsupported_reason(geometry: Geometry, head_dims: tuple[int, ...],
+                       features: tuple[str, ...] = ()) -> str | None:
+    """Why a tensor-core kernel built for these head dims and implementing `features` cannot
+    run this geometry, or None."""
+    missing = [f for f in geometry.features.split("+") if f and f not in features]
+    if missing:
+        return f"{' and '.join(missing)} (not built into this kernel)"
     if geometry.dtype not in DTYPES:
         return f"dtype {geometry.dtype} (kernels take float16/bfloat16)"
     if geometry.head_dim not in head_dims:
@@ -99,3 +131,7 @@ class Lengths:
 
     def tokens_of(self, seqs: tuple[int, ...]) -> int:
         return int(self.q_lens[list(seqs)].sum())
+
+    def key_starts(self, window: int | None) -> np.ndarray:
+        """Per sequence the first key its new queries see (`reference.key_start`)."""
+        return key_start(self.seq_lens - self.q_lens, window)

@@ -92,11 +92,12 @@ class HopperPrefillAttention:
                                           min_items=0, seqs=np.asarray(seqs))
         return PrefillPlan(g, lengths, block_tables, seqs, tiles)
 
-    def check(self, q, k, v, k_cache, v_cache, plan: PrefillPlan) -> None:
+    def check(self, q, k, v, k_cache, v_cache, plan: PrefillPlan, sinks=None) -> None:
         check_call(self.name, plan.geometry, plan.lengths, q, k, v, k_cache, v_cache,
-                   plan.block_tables)
+                   plan.block_tables, sinks)
 
-    def run(self, q, k, v, k_cache, v_cache, plan: PrefillPlan, out=None) -> mx.array:
+    def run(self, q, k, v, k_cache, v_cache, plan: PrefillPlan, out=None,
+            sinks=None) -> mx.array:
         return write_rows(out, self.launch(q, k_cache, v_cache, plan), plan)
 
     def launch(self, q: mx.array, k_cache: mx.array, v_cache: mx.array,

@@ -1,15 +1,18 @@
 """The one interface every attention executor implements, and the paged kernels' common base.
 
-    plan = kernel.plan(lengths, geometry, block_tables, seqs)   # once per forward, host arrays
-    kernel.check(q, k, v, k_cache, v_cache, plan)               # the first layer's entry check
-    out = kernel.run(q, k, v, k_cache, v_cache, plan, out)      # every layer: launches only
+    plan = kernel.plan(lengths, geometry, block_tables, seqs)        # once per forward
+    kernel.check(q, k, v, k_cache, v_cache, plan, sinks)             # the first layer's check
+    out = kernel.run(q, k, v, k_cache, v_cache, plan, out, sinks)    # every layer: launches
 
 `run` returns [T, H, D] with the rows of the plan's sequences computed; the rows of other
 sequences come from `out` when given (written into it where MLX can do so in place) and are
 unspecified otherwise. A forward whose sequences take several executors runs them in turn,
 each on the output of the one before. q [T, H, D] and the new rows k, v [T, Hkv, D] (already
 written into the caches) follow `reference.contract`; the caches
-come as `PagedKVCache` stores them or as [num_blocks, BS, Hkv, D] of the plan's dtype.
+come as `PagedKVCache` stores them or as [num_blocks, BS, Hkv, D] of the plan's dtype. `sinks`
+([H] float32, the layer's own) is passed exactly when the plan's geometry has sinks; the window
+and cap are the geometry's. An executor that does not implement a variant says so in
+`unsupported_reason`, and the route sends those calls elsewhere.
 
 Executors: the CUDA paged kernel (mma.sync; wgmma on Hopper), the Metal paged kernel, the
 Hopper prefill kernel, SDPA over new rows or pages read in place, SDPA over gathered pages
@@ -58,11 +61,12 @@ class AttentionKernel(Protocol):
         """One forward's plan from checked host lengths; `seqs` None plans all sequences."""
 
     def check(self, q: mx.array, k: mx.array, v: mx.array, k_cache: mx.array,
-              v_cache: mx.array, plan: Plan) -> None:
+              v_cache: mx.array, plan: Plan, sinks: mx.array | None = None) -> None:
         """Raise ValueError naming the first array that does not fit the plan."""
 
     def run(self, q: mx.array, k: mx.array, v: mx.array, k_cache: mx.array, v_cache: mx.array,
-            plan: Plan, out: mx.array | None = None) -> mx.array:
+            plan: Plan, out: mx.array | None = None,
+            sinks: mx.array | None = None) -> mx.array:
         """The plan's rows of the attention output; no host sync."""
 
 
@@ -84,19 +88,21 @@ def write_rows(out: mx.array | None, rows: mx.array, plan: Plan) -> mx.array:
 
 class PagedAttentionKernel:
     """What the CUDA and Metal paged kernels share: support rules, tile heights, the entry
-    check, the output hand-off. Subclasses set `name` and `head_dims` and implement `plan`,
+    check, the output hand-off. Subclasses set `name`, `head_dims` and the variant `features` they implement,
+    and implement `plan`,
     `tile_rows` and `launch`; kernels are built through `kernel_factory` (MLX's, or a test's
     stand-in) once per variant."""
 
     name: str
     head_dims: tuple[int, ...]
+    features: tuple[str, ...] = ()
 
     def __init__(self, kernel_factory):
         self._factory = kernel_factory
         self._kernels: dict[tuple, object] = {}
 
     def unsupported_reason(self, geometry: Geometry) -> str | None:
-        return unsupported_reason(geometry, self.head_dims)
+        return unsupported_reason(geometry, self.head_dims, self.features)
 
     def tile_rows(self, geometry: Geometry) -> tuple[int, ...]:
         """The query-tile heights a plan may choose for this geometry, each its own kernel."""
@@ -115,12 +121,13 @@ class PagedAttentionKernel:
                              f"{self.tile_rows(geometry)} rows, not {block_m!r}")
         return int(block_m)
 
-    def check(self, q, k, v, k_cache, v_cache, plan: Plan) -> None:
+    def check(self, q, k, v, k_cache, v_cache, plan: Plan, sinks=None) -> None:
         check_call(self.name, plan.geometry, plan.lengths, q, k, v, k_cache, v_cache,
-                   plan.block_tables)
+                   plan.block_tables, sinks)
 
-    def run(self, q, k, v, k_cache, v_cache, plan: Plan, out=None) -> mx.array:
-        return write_rows(out, self.launch(q, k_cache, v_cache, plan), plan)
+    def run(self, q, k, v, k_cache, v_cache, plan: Plan, out=None, sinks=None) -> mx.array:
+        return write_rows(out, self.launch(q, k_cache, v_cache, plan, sinks), plan)
 
-    def launch(self, q: mx.array, k_cache: mx.array, v_cache: mx.array, plan: Plan) -> mx.array:
+    def launch(self, q: mx.array, k_cache: mx.array, v_cache: mx.array, plan: Plan,
+               sinks: mx.array | None) -> mx.array:
         raise NotImplementedError

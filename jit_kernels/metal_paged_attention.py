@@ -28,7 +28,7 @@ import numpy as np
 
 from . import plan as tile_plan
 from . import sources
-from .geometry import Geometry, Lengths, dtype_name
+from .geometry import FEATURES, Geometry, Lengths, dtype_name
 from .interface import PagedAttentionKernel, Plan, refuse_unsupported
 
 # Query-tile rows (the plan's block_m): 4 simdgroups x one 8-row fragment band each; a tile
@@ -47,40 +47,27 @@ GPU_CORES = 16
 LOG2E = math.log2(math.e)
 
 
+def feature_macros(features: str, names: tuple[str, ...] = FEATURES) -> str:
+    """Prelude lines `#define PP_WINDOW 1` (or 0), one per feature name: what a variant's
+    kernel compiles in (`features`: `Geometry.features`, e.g. "window+sinks")."""
+    on = features.split("+")
+    return "".join(f"#define PP_{name.upper()} {int(name in on)}\n" for name in names)
 
 
-@dataclass(frozen=True)
-class Features:
-    """A variant's compile-time features: each a PP_ macro (0 or 1) of the kernel sources."""
-
-    window: bool = False
-    softcap: bool = False
-    sinks: bool = False
-
-    @classmethod
-    def of(cls, g: Geometry) -> Features:
-        return cls(g.window is not None, g.softcap is not None, g.sinks)
-
-    def macros(self, *names: str) -> str:
-        return "".join(f"#define PP_{name.upper()} {int(getattr(self, name))}\n" for name in names)
-
-    def inputs(self) -> list[str]:
-        """The attention kernel's inputs past qk_scale, in order."""
-        return [name for name in ("window", "softcap", "sinks") if getattr(self, name)]
-
-
-ALL_FEATURES = tuple(Features(*on) for on in itertools.product((False, True), repeat=3))
-# The kernels: kernels/paged_attention.metal and, for split tiles, kernels/split_merge.metal,
-# one source per feature set (the merge's only feature is the sink).
-ATTENTION = {f: sources.mlx_kernel(
+# Every variant's features, as `Geometry.features` spells them ("" is plain attention).
+VARIANTS = tuple("+".join(name for name, used in zip(FEATURES, mask) if used)
+                 for mask in itertools.product((False, True), repeat=len(FEATURES)))
+# The kernels: kernels/paged_attention.metal and, for split tiles, kernels/split_merge.metal, a
+# source per variant (the merge's only feature is the sink).
+ATTENTION = {features: sources.mlx_kernel(
     "paged_attention.metal",
-    f.macros("window", "softcap", "sinks") +
+    feature_macros(features) +
     sources.constants(sources.METAL, BLOCK_Q=BLOCK_Q, NUM_THREADS=NUM_THREADS) +
     sources.columns(sources.METAL, "W_", tile_plan.WORK_COLUMNS, "WORK_COLS"))
-    for f in ALL_FEATURES}
+    for features in VARIANTS}
 MERGE = {sinks: sources.mlx_kernel(
     "split_merge.metal",
-    Features(sinks=sinks).macros("sinks") +
+    feature_macros("sinks" if sinks else "", ("sinks",)) +
     sources.constants(sources.METAL, BLOCK_Q=BLOCK_Q, NUM_THREADS=NUM_THREADS) +
     sources.columns(sources.METAL, "M_", tile_plan.MERGE_COLUMNS, "MERGE_COLS"))
     for sinks in (False, True)}
@@ -90,8 +77,9 @@ MERGE = {sinks: sources.mlx_kernel(
 class MetalAttentionPlan(Plan):
     tiles: tile_plan.TilePlan
     qk_scale: mx.array  # float32 [1]: scale * log2(e), folded into Q; softcapped: scale / cap
-    features: Features
-    feature_inputs: list  # window int32 [1] (W), softcap float32 [1] (cap * log2(e)), if used
+    # the variant's per-call values, inputs after qk_scale: window int32 [1] (W) and softcap
+    # float32 [1] (cap * log2(e)), each when the geometry has it
+    feature_inputs: tuple[mx.array, ...]
     launch: dict  # the attention call's arguments other than its inputs
     merge_launch: dict | None  # the merge's, when the plan splits keys
 
@@ -102,6 +90,7 @@ class MetalPagedAttention(PagedAttentionKernel):
 
     name = "metal paged kernel"
     head_dims = HEAD_DIMS
+    features = FEATURES
 
     def __init__(self, metal_kernel=None):
         super().__init__(metal_kernel or mx.fast.metal_kernel)
@@ -118,11 +107,10 @@ class MetalPagedAttention(PagedAttentionKernel):
         tiles = tile_plan.build_tile_plan(lengths.cu_seqlens_q, lengths.seq_lens, g.group,
                                           g.num_kv_heads, BLOCK_Q, BLOCK_N[g.head_dim],
                                           GPU_CORES, seqs=np.asarray(seqs), window=g.window)
-        features = Features.of(g)
         feature_inputs = []
-        if features.window:
+        if g.window is not None:
             feature_inputs.append(mx.array([g.window], dtype=mx.int32))
-        if features.softcap:  # tanh's argument is the natural-unit logit over the cap
+        if g.softcap is not None:  # tanh takes the natural-unit logit over the cap
             qk_scale = g.scale / g.softcap
             feature_inputs.append(mx.array([g.softcap * LOG2E], dtype=mx.float32))
         else:
@@ -142,19 +130,22 @@ class MetalPagedAttention(PagedAttentionKernel):
             output_shapes=[out_shape], output_dtypes=[g.dtype])
         return MetalAttentionPlan(
             g, lengths, block_tables, seqs, tiles=tiles,
-            qk_scale=mx.array([qk_scale], dtype=mx.float32), features=features,
-            feature_inputs=feature_inputs, launch=launch, merge_launch=merge_launch)
+            qk_scale=mx.array([qk_scale], dtype=mx.float32),
+            feature_inputs=tuple(feature_inputs), launch=launch, merge_launch=merge_launch)
 
-    def _kernel(self, kind: str, g: Geometry, f: Features):
-        key = (kind, g.dtype, g.head_dim, g.group, g.block_size, f)
+    def _kernel(self, kind: str, g: Geometry):
+        # the merge's only feature is the sink: windowed or capped variants share theirs
+        features = g.features if kind == "attention" else "sinks" * g.sinks
+        key = (kind, g.dtype, g.head_dim, g.group, g.block_size, features)
         if key not in self._kernels:
+            used = [name for name in FEATURES if name in features.split("+")]
             variant = "_".join([f"{dtype_name(g.dtype)}_d{g.head_dim}_g{g.group}_b{g.block_size}",
-                                *f.inputs()])
+                                *used])
             inputs, outputs, source = {
                 "attention": (["q", "k_cache", "v_cache", "block_tables", "work", "qk_scale",
-                               *f.inputs()], ["out", "o_part", "lse_part"], ATTENTION[f]),
-                "merge": (["o_part", "lse_part", "merge", "attn_out", *(["sinks"] * f.sinks)],
-                          ["out"], MERGE[f.sinks]),
+                               *used], ["out", "o_part", "lse_part"], ATTENTION[features]),
+                "merge": (["o_part", "lse_part", "merge", "attn_out", *used], ["out"],
+                          MERGE[g.sinks]),
             }[kind]
             # ensure_row_contiguous (the default) copies a strided input: the runner's caches
             # (PagedKVCache's arrays, as stored) are contiguous, bound in place.
@@ -165,13 +156,13 @@ class MetalPagedAttention(PagedAttentionKernel):
 
     def launch(self, q: mx.array, k_cache: mx.array, v_cache: mx.array,
                plan: MetalAttentionPlan, sinks: mx.array | None = None) -> mx.array:
-        g, tiles, f = plan.geometry, plan.tiles, plan.features
-        sink_input = [sinks] if f.sinks else []
-        out, o_part, lse_part = self._kernel("attention", g, f)(
+        g, tiles = plan.geometry, plan.tiles
+        sink_input = [sinks.astype(mx.float32)] if g.sinks else []
+        out, o_part, lse_part = self._kernel("attention", g)(
             inputs=[q, k_cache, v_cache, plan.block_tables, tiles.work, plan.qk_scale,
                     *plan.feature_inputs, *sink_input],
             **plan.launch)
         if tiles.merge is None:
             return out
-        return self._kernel("merge", g, f)(inputs=[o_part, lse_part, tiles.merge, out,
-                                                   *sink_input], **plan.merge_launch)[0]
+        return self._kernel("merge", g)(inputs=[o_part, lse_part, tiles.merge, out, *sink_input],
+                                        **plan.merge_launch)[0]

@@ -84,6 +84,8 @@ def plan_gather(seq_lens: np.ndarray, seqs: list[int], block_size: int, num_kv_h
 class PageGather:
     """The gather kernel of one backend ("cuda" or "metal"), built once per (dtype, block size)."""
 
+    features: tuple[str, ...] = ()  # it copies whole sequences: no window's first page
+
     def __init__(self, backend: str, kernel_factory):
         self.backend = backend
         self._factory = kernel_factory

@@ -9,6 +9,8 @@
 - `ReferenceAttention`: `reference.paged_attention`, the oracle, as an executor.
 New rows and rows read in place reach SDPA as [L, Hkv, D] seen heads first, gathered pages as
 [Hkv, L, D]: MLX builds a cuDNN graph per layout and shape (the routing rules count them).
+Every variant runs here: a windowed sequence attends over its keys from `key_start` on only
+(never the pages before it), with the window's mask where it cuts inside them.
 """
 
 from __future__ import annotations
@@ -25,9 +27,10 @@ from .interface import Plan
 from .page_gather import GatherPlan, PageGather, plan_gather
 
 
-def _attend(q: mx.array, ks: mx.array, vs: mx.array, scale: float) -> mx.array:
-    """q [L, H, D] over ks, vs [1, Hkv, Lk, D] -> [L, H, D]."""
-    return reference.tokens_first(reference.sdpa(reference.heads_first(q), ks, vs, scale))
+def _attend(q: mx.array, ks: mx.array, vs: mx.array, g: Geometry, sinks) -> mx.array:
+    """q [L, H, D] at the last positions of ks, vs [1, Hkv, Lk, D] -> [L, H, D]."""
+    return reference.tokens_first(reference.sdpa(reference.heads_first(q), ks, vs, g.scale,
+                                                 g.window, g.softcap, sinks))
 
 
 def _assemble(out: mx.array | None, rows: list[mx.array], plan: Plan) -> mx.array:
@@ -52,7 +55,7 @@ def _q_rows(q: mx.array, plan: Plan, s: int) -> mx.array:
 
 @dataclass(frozen=True)
 class ContiguousPlan(Plan):
-    # per planned sequence: its cache rows read in place, or None: its own new rows
+    # per planned sequence: its visible cache rows read in place, or None: its own new rows
     sources: tuple[slice | None, ...]
     cache_rows: int  # the cache rows the reads in place need
 
@@ -66,9 +69,9 @@ class _OnMlx:
     def canary_plannings(self, geometry: Geometry) -> tuple[dict, ...]:
         return ()
 
-    def check(self, q, k, v, k_cache, v_cache, plan: Plan) -> None:
+    def check(self, q, k, v, k_cache, v_cache, plan: Plan, sinks=None) -> None:
         check_call(self.name, plan.geometry, plan.lengths, q, k, v, k_cache, v_cache,
-                   plan.block_tables)
+                   plan.block_tables, sinks)
 
 
 class ContiguousSdpa(_OnMlx):
@@ -76,28 +79,34 @@ class ContiguousSdpa(_OnMlx):
 
     def plan(self, lengths: Lengths, geometry: Geometry, block_tables: mx.array, seqs=None,
              first_blocks: dict[int, int] | None = None) -> ContiguousPlan:
-        """`first_blocks`: the first block of each planned sequence with a cached prefix, whose
-        pages are one run of consecutive blocks; the others must have nothing cached."""
+        """`first_blocks`: for each planned sequence that sees cached keys, the block holding its
+        first visible key (`key_start`), its visible pages one run of consecutive blocks; the
+        others must see no cached key."""
         seqs, first_blocks = lengths.seqs(seqs), first_blocks or {}
-        bs, lens, q_lens = geometry.block_size, lengths.seq_lens, lengths.q_lens
+        bs, lens = geometry.block_size, lengths.seq_lens
+        starts = lengths.key_starts(geometry.window)
+        sees_cache = starts < lens - lengths.q_lens
         stray = sorted(set(first_blocks) - set(seqs))
-        cached = [s for s in seqs if lens[s] > q_lens[s] and s not in first_blocks]
+        cached = [s for s in seqs if sees_cache[s] and s not in first_blocks]
         if stray or cached:
             raise ValueError(f"first_blocks: sequences {stray or cached} are not planned, or "
-                             "have a cached prefix with no run of blocks to read in place")
-        sources = tuple(slice(first_blocks[s] * bs, first_blocks[s] * bs + int(lens[s]))
-                        if s in first_blocks else None for s in seqs)
+                             "see cached keys with no run of blocks to read in place")
+        def rows(s: int) -> slice:  # noqa: E306
+            first = first_blocks[s] * bs + int(starts[s]) % bs
+            return slice(first, first + int(lens[s] - starts[s]))
+        sources = tuple(rows(s) if s in first_blocks else None for s in seqs)
         cache_rows = max((r.stop for r in sources if r is not None), default=0)
         return ContiguousPlan(geometry, lengths, block_tables, seqs, sources, cache_rows)
 
-    def check(self, q, k, v, k_cache, v_cache, plan: ContiguousPlan) -> None:
-        super().check(q, k, v, k_cache, v_cache, plan)
+    def check(self, q, k, v, k_cache, v_cache, plan: ContiguousPlan, sinks=None) -> None:
+        super().check(q, k, v, k_cache, v_cache, plan, sinks)
         held = as_rows(k_cache, plan.geometry).shape[0]
         if plan.cache_rows > held:
             raise ValueError(f"block_tables: the plan reads cache rows up to {plan.cache_rows}, "
                              f"the caches hold {held}")
 
-    def run(self, q, k, v, k_cache, v_cache, plan: ContiguousPlan, out=None) -> mx.array:
+    def run(self, q, k, v, k_cache, v_cache, plan: ContiguousPlan, out=None,
+            sinks=None) -> mx.array:
         g, cu = plan.geometry, plan.lengths.cu_seqlens_q
         rows = None  # the caches' token rows, viewed once per call
         outs = []
@@ -113,24 +122,30 @@ class ContiguousSdpa(_OnMlx):
                 rows = rows or (as_rows(k_cache, g), as_rows(v_cache, g))
                 ks, vs = rows[0][source], rows[1][source]
             outs.append(_attend(_q_rows(q, plan, s), reference.heads_first(ks),
-                                reference.heads_first(vs), g.scale))
+                                reference.heads_first(vs), g, sinks))
         return _assemble(out, outs, plan)
 
 
 @dataclass(frozen=True)
 class GatheredPlan(Plan):
     gather: GatherPlan
+    starts: tuple[int, ...]  # per planned sequence its first visible key (MLX's take only)
 
 
 class GatheredSdpa:
-    """`gather`: the backend's page-gather kernel; None copies with MLX's take."""
+    """`gather`: the backend's page-gather kernel; None copies with MLX's take, which runs
+    every variant (a windowed sequence's pages from its first visible key on)."""
 
     def __init__(self, gather: PageGather | None = None):
         self.gather = gather
         self.name = "MLX gather + sdpa" if gather is None else f"{gather.backend} gather + sdpa"
 
     def unsupported_reason(self, geometry: Geometry) -> str | None:
-        return None if self.gather is None else self.gather.unsupported_reason(geometry)
+        if self.gather is None:
+            return None
+        if geometry.window is not None and "window" not in self.gather.features:
+            return "window (the gather kernel copies whole sequences)"
+        return self.gather.unsupported_reason(geometry)
 
     def canary_plannings(self, geometry: Geometry) -> tuple[dict, ...]:
         return () if self.gather is None else ({},)
@@ -143,25 +158,29 @@ class GatheredSdpa:
         g, seqs = geometry, lengths.seqs(seqs)
         gather = plan_gather(lengths.seq_lens, list(seqs), g.block_size, g.num_kv_heads,
                              g.head_dim, g.dtype)
-        return GatheredPlan(g, lengths, block_tables, seqs, gather)
+        starts = lengths.key_starts(g.window)
+        return GatheredPlan(g, lengths, block_tables, seqs, gather,
+                            tuple(int(starts[s]) for s in seqs))
 
-    def check(self, q, k, v, k_cache, v_cache, plan: GatheredPlan) -> None:
+    def check(self, q, k, v, k_cache, v_cache, plan: GatheredPlan, sinks=None) -> None:
         if self.gather is not None:  # first: the copy's own rule on the bytes it reads
             self.gather.check(k_cache, v_cache, plan.gather)
         check_call(self.name, plan.geometry, plan.lengths, q, k, v, k_cache, v_cache,
-                   plan.block_tables)
+                   plan.block_tables, sinks)
 
     def gathered(self, k_cache, v_cache, plan: GatheredPlan) -> list[tuple[mx.array, mx.array]]:
-        """Each planned sequence's K/V, [1, Hkv, L, D]: the copy this executor attends over."""
+        """Each planned sequence's visible K/V, [1, Hkv, L, D]: the copy this executor attends
+        over."""
         if self.gather is not None:
             return self.gather.launch(k_cache, v_cache, plan.block_tables, plan.gather)
         k_pages, v_pages = as_pages(k_cache, plan.geometry), as_pages(v_cache, plan.geometry)
-        return [reference.gather_kv(k_pages, v_pages, plan.block_tables[s], int(n))
-                for s, n in zip(plan.seqs, plan.gather.seq_lens)]
+        return [reference.gather_kv(k_pages, v_pages, plan.block_tables[s], int(n), start)
+                for s, n, start in zip(plan.seqs, plan.gather.seq_lens, plan.starts)]
 
-    def run(self, q, k, v, k_cache, v_cache, plan: GatheredPlan, out=None) -> mx.array:
+    def run(self, q, k, v, k_cache, v_cache, plan: GatheredPlan, out=None,
+            sinks=None) -> mx.array:
         kv = self.gathered(k_cache, v_cache, plan)
-        outs = [_attend(_q_rows(q, plan, s), ks, vs, plan.geometry.scale)
+        outs = [_attend(_q_rows(q, plan, s), ks, vs, plan.geometry, sinks)
                 for s, (ks, vs) in zip(plan.seqs, kv)]
         return _assemble(out, outs, plan)
 
@@ -178,8 +197,9 @@ class ReferenceAttention(_OnMlx):
             raise ValueError("seqs: the reference plans every sequence of the batch")
         return Plan(geometry, lengths, block_tables, seqs)
 
-    def run(self, q, k, v, k_cache, v_cache, plan: Plan, out=None) -> mx.array:
+    def run(self, q, k, v, k_cache, v_cache, plan: Plan, out=None, sinks=None) -> mx.array:
         g, lengths = plan.geometry, plan.lengths
         return reference.paged_attention(q, as_pages(k_cache, g), as_pages(v_cache, g),
                                          plan.block_tables, lengths.cu_seqlens_q,
-                                         lengths.seq_lens, g.scale)
+                                         lengths.seq_lens, g.scale, window=g.window,
+                                         softcap=g.softcap, sinks=sinks)

@@ -1,19 +1,21 @@
 """One forward's attention: routed once (`route.route`), checked, planned, then run by every
 layer.
 
-    attention = dispatcher.plan(meta.attn, geometry)   # once per forward: route, canary, plan
-    attention.check(q, k, v, k_cache, v_cache)         # the first layer: shapes against the plan
-    out = attention(q, k, v, k_cache, v_cache)         # every layer: launches only, no host sync
+    attention = dispatcher.plan(meta.attn, geometry)   # per forward and variant: route, plan
+    attention.check(q, k, v, k_cache, v_cache, sinks)  # the first layer: shapes against the plan
+    out = attention(q, k, v, k_cache, v_cache, sinks)  # every layer: launches only, no host sync
 
 The route's sequences go to their executors (`jit_kernels.interface`): the paged kernel first
 (its output holds every row), then the prefill kernel, then SDPA over new rows or pages read in
 place, then SDPA over gathered pages, each writing its sequences' rows into the output of the
 one before.
 
-A batch planned again (the same `AttentionMetadata` object, e.g. a benchmark repeating one
-step) reuses its plan: its device arrays are written by the host once (on a CUDA GPU a
-host-written array lives in managed memory, and the first kernel that reads near it pays a page
-migration: docs/kernels.md, "Host-written arrays").
+The geometry carries the layer's attention variant (window, softcap, sinks: `reference.contract`),
+so a model whose layers differ plans once per kind of layer. A batch planned again (the same
+`AttentionMetadata` object and geometry, e.g. a benchmark repeating one step) reuses its plan:
+its device arrays are written by the host once (on a CUDA GPU a host-written array lives in
+managed memory, and the first kernel that reads near it pays a page migration: docs/kernels.md,
+"Host-written arrays").
 
 The route is logged once per kind and counted per layer call, so tests can check which path
 really ran and users can see when a slow path was taken. The first use of a backend for a
@@ -65,20 +67,21 @@ class ForwardAttention:
         self.route, self.parts, self.counts = route, parts, counts
 
     def check(self, q: mx.array, k: mx.array, v: mx.array, k_cache: mx.array,
-              v_cache: mx.array) -> None:
-        """The entry check of every executor: the layers after the first have the same
-        shapes, so they skip it (one op fewer to build per layer)."""
+              v_cache: mx.array, sinks: mx.array | None = None) -> None:
+        """The entry check of every executor: the layers after the first of this geometry have
+        the same shapes, so they skip it (one op fewer to build per layer)."""
         for kernel, plan in self.parts:
-            kernel.check(q, k, v, k_cache, v_cache, plan)
+            kernel.check(q, k, v, k_cache, v_cache, plan, sinks)
 
     def __call__(self, q: mx.array, k: mx.array, v: mx.array, k_cache: mx.array,
-                 v_cache: mx.array) -> mx.array:
+                 v_cache: mx.array, sinks: mx.array | None = None) -> mx.array:
         """q [T, H, D] and the new rows k, v [T, Hkv, D] (already in the caches); the layer's
-        caches as `PagedKVCache` stores them, or as [num_blocks, BS, Hkv, D] of its dtype."""
+        caches as `PagedKVCache` stores them, or as [num_blocks, BS, Hkv, D] of its dtype;
+        `sinks` [H] float32, the layer's, exactly when the geometry has sinks."""
         self.counts[self.route.path] += 1
         out = None
         for kernel, plan in self.parts:
-            out = kernel.run(q, k, v, k_cache, v_cache, plan, out)
+            out = kernel.run(q, k, v, k_cache, v_cache, plan, out, sinks)
         return out
 
 
@@ -99,7 +102,8 @@ class Dispatcher:
         self.counts: Counter[str] = Counter()
         self.last: Route | None = None
         self._logged: set[tuple] = set()
-        self._planned: tuple | None = None  # ((metadata, geometry, route), attention)
+        # the last metadata's plans, per (geometry, route): a forward plans one per layer kind
+        self._planned: tuple | None = None  # (metadata, {(geometry, route): attention})
 
     def plan(self, meta: AttentionMetadata, g: Geometry) -> ForwardAttention:
         """Route, validate (canary on first use) and plan one forward; nothing is written."""
@@ -115,14 +119,15 @@ class Dispatcher:
         key = (chosen.kind(), g.variant(), "decode" if meta.max_q_len == 1 else "prefill")
         if key not in self._logged:
             self._logged.add(key)
-            log.info("paged attention: %s (%s) for dtype=%s head_dim=%d group=%d block=%d %s",
-                     chosen.path, chosen.reason, *key[1], key[2])
+            log.info("paged attention: %s (%s) for %s %s", chosen.path, chosen.reason,
+                     g.describe(), key[2])
         self.last = chosen
-        key = (meta, g, chosen)  # the metadata by identity: it is frozen
-        if self._planned is None or self._planned[0] != key:
-            self._planned = key, ForwardAttention(chosen, self._parts(chosen, meta, g),
-                                                  self.counts)
-        return self._planned[1]
+        if self._planned is None or self._planned[0] is not meta:  # frozen: by identity
+            self._planned = meta, {}
+        plans = self._planned[1]
+        if (g, chosen) not in plans:
+            plans[g, chosen] = ForwardAttention(chosen, self._parts(chosen, meta, g), self.counts)
+        return plans[g, chosen]
 
     def _parts(self, r: Route, meta: AttentionMetadata, g: Geometry) -> tuple:
         backend = self.backends.get(r.backend)
@@ -138,19 +143,27 @@ class Dispatcher:
             add(backend.prefill, r.seqs(Source.PREFILL))
         add(_CONTIGUOUS, r.seqs(Source.NEW_ROWS, Source.IN_PLACE),
             first_blocks=dict(r.first_blocks))
-        add(_MLX_GATHER if backend is None else backend.gathered, r.seqs(Source.GATHERED))
+        add(self._gatherer(backend, g), r.seqs(Source.GATHERED))
         return tuple(parts)
+
+    @staticmethod
+    def _gatherer(backend: KernelBackend | None, g: Geometry) -> GatheredSdpa:
+        """The backend's gather kernel where it runs this variant, else MLX's take (a windowed
+        sequence's pages from its first visible key on)."""
+        if backend is None or backend.gathered.unsupported_reason(g) is not None:
+            return _MLX_GATHER
+        return backend.gathered
 
     def _validated(self, r: Route, g: Geometry) -> Route:
         backend = self.backends.get(r.backend)
         if backend is None:
             return r
         needed = {Source.PAGED: backend.attention, Source.PREFILL: backend.prefill,
-                  Source.GATHERED: backend.gathered}
+                  Source.GATHERED: self._gatherer(backend, g)}
         used = {needed[s] for s in r.sources if s in needed}
         self._check_all(backend, g, used)
         for kernel in used:
-            why = backend.verdicts.get((kernel.name, g.variant()))
+            why = backend.verdicts.get((kernel.name, g.variant()))  # none for MLX's take
             if why is None:
                 continue
             if self.strict or self.path != "auto":
@@ -173,6 +186,5 @@ class Dispatcher:
                 continue
             backend.verdicts[key] = why = canary.check(kernel, g)
             if why:
-                log.warning("paged attention: %s for dtype=%s head_dim=%d group=%d block=%d "
-                            "failed its first-use check (%s); using the reference",
-                            kernel.name, *g.variant(), why)
+                log.warning("paged attention: %s for %s failed its first-use check (%s); "
+                            "using the reference", kernel.name, g.describe(), why)

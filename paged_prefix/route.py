@@ -10,7 +10,9 @@ Sources, per sequence:
 
 The measured rules (`rules.py`) only say which sequences leave the paged kernel; everything
 else (which SDPA source, whether a kernel can run the call, forced paths) is decided here, and
-the page runs are computed here once for the whole forward.
+the page runs are computed here once for the whole forward. A windowed sequence's pages are
+those from its first visible key (`key_start`) on: one that sees no cached key at all (W = 1)
+attends over its new rows.
 """
 
 from __future__ import annotations
@@ -62,23 +64,25 @@ class Route:
         return ", ".join(f"{n} {kind}" for kind, n in sorted(kinds.items()))
 
 
-def page_runs(block_tables: np.ndarray, lengths: Lengths, seqs, block_size: int) -> dict[int, int]:
-    """Of the sequences `seqs`, those whose pages are one run of consecutive blocks (b, b + 1,
-    ...: their K/V are contiguous rows of the cache, readable in place), each with its first
-    block. `block_tables`: the host copy of the table the calls pass, [S, max_blocks]."""
+def page_runs(block_tables: np.ndarray, lengths: Lengths, seqs, block_size: int,
+              starts: np.ndarray | None = None) -> dict[int, int]:
+    """Of the sequences `seqs`, those whose visible pages (from the one holding key
+    `starts[s]`, 0 when None) are one run of consecutive blocks (b, b + 1, ...: their K/V are contiguous
+    rows of the cache, readable in place), each with the run's first block. `block_tables`:
+    the host copy of the table the calls pass, [S, max_blocks]."""
     runs = {}
     for s in seqs:
         n = -(-int(lengths.seq_lens[s]) // block_size)
-        row = block_tables[s, :n].astype(np.int64)
+        first = 0 if starts is None else int(starts[s]) // block_size
+        row = block_tables[s, first:n].astype(np.int64)
         if (np.diff(row) == 1).all():
             runs[int(s)] = int(row[0])
     return runs
 
 
-def _sdpa_sources(lengths: Lengths, seqs, runs: dict[int, int]) -> dict[int, Source]:
-    cached = lengths.seq_lens > lengths.q_lens
-    return {s: Source.GATHERED if cached[s] and s not in runs else
-            Source.IN_PLACE if cached[s] else Source.NEW_ROWS for s in seqs}
+def _sdpa_sources(sees_cache: np.ndarray, seqs, runs: dict[int, int]) -> dict[int, Source]:
+    return {s: Source.GATHERED if sees_cache[s] and s not in runs else
+            Source.IN_PLACE if sees_cache[s] else Source.NEW_ROWS for s in seqs}
 
 
 def route(lengths: Lengths, block_tables: np.ndarray, geometry: Geometry, path: str,
@@ -89,13 +93,15 @@ def route(lengths: Lengths, block_tables: np.ndarray, geometry: Geometry, path: 
     n, g = lengths.num_seqs, geometry
     if path == "reference":
         return Route("reference", "forced", None, (Source.REFERENCE,) * n)
-    cached = [s for s in range(n) if lengths.seq_lens[s] > lengths.q_lens[s]]
-    runs = page_runs(block_tables, lengths, cached, g.block_size)  # once per forward
+    starts = lengths.key_starts(g.window)
+    sees_cache = starts < lengths.seq_lens - lengths.q_lens
+    runs = page_runs(block_tables, lengths, np.flatnonzero(sees_cache), g.block_size,
+                     starts)  # once per forward
 
     def with_sdpa(reason: str, backend: str | None, picked=range(n), prefill=(),
                   rest=Source.PAGED) -> Route:
         sources = dict.fromkeys(range(n), rest)
-        sources.update(_sdpa_sources(lengths, [s for s in picked if s not in prefill], runs))
+        sources.update(_sdpa_sources(sees_cache, [s for s in picked if s not in prefill], runs))
         sources.update(dict.fromkeys(prefill, Source.PREFILL))
         first_blocks = tuple((s, runs[s]) for s in range(n) if sources[s] is Source.IN_PLACE)
         mixed = Source.PAGED in sources.values()

@@ -3,8 +3,15 @@
 Imports nothing of the runner package or of `jit_kernels`: plain arrays in, arrays out.
 """
 
-from .contract import check_arrays, check_lengths, check_paged_inputs, host_ints
-from .paged_attention import gather_kv, heads_first, paged_attention, sdpa, tokens_first
+from .contract import check_arrays, check_lengths, check_paged_inputs, check_variant, host_ints
+from .paged_attention import (
+    gather_kv,
+    heads_first,
+    key_start,
+    paged_attention,
+    sdpa,
+    tokens_first,
+)
 
-__all__ = ["check_arrays", "check_lengths", "check_paged_inputs", "gather_kv", "heads_first",
-           "host_ints", "paged_attention", "sdpa", "tokens_first"]
+__all__ = ["check_arrays", "check_lengths", "check_paged_inputs", "check_variant", "gather_kv",
+           "heads_first", "host_ints", "key_start", "paged_attention", "sdpa", "tokens_first"]

@@ -1,6 +1,7 @@
 """The paged-attention contract shared by the reference and every JIT kernel.
 
-    out = paged_attention(q, k_cache, v_cache, block_tables, cu_seqlens_q, seq_lens, scale)
+    out = paged_attention(q, k_cache, v_cache, block_tables, cu_seqlens_q, seq_lens, scale,
+                          window=None, softcap=None, sinks=None)
 
 q             [T, H, D]   new tokens of all sequences, packed, RoPE applied.
 k_cache       [num_blocks, block_size, Hkv, D]   paged keys (after RoPE) and values, already
@@ -17,9 +18,20 @@ context_lens[s] + i, where context_lens = seq_lens - q_lens, and attends to keys
 0 .. context_lens[s] + i (bottom-right-aligned causal). Kernels read keys through the block
 table, never from a contiguous copy; block ids are the caller's to validate (they live on the
 device here, and reading them back would cost a sync per call).
+
+Variants (each layer's own; None leaves it out):
+window   W >= 1: the query at position p sees keys max(0, p - W + 1) .. p. The first key any new
+         query of sequence s sees is key_start = max(0, context_lens[s] - W + 1): pages wholly
+         before it are never read (under vLLM's hybrid KV manager they are the null block or
+         another request's).
+softcap  cap > 0: each logit s = scale * q.k becomes cap * tanh(s / cap) before mask and softmax.
+sinks    [H] float32: per query head a logit that joins the softmax's denominator and holds no
+         value: out_h = sum_j e^(s_j - m) v_j / (sum_j e^(s_j - m) + e^(sink_h - m)).
 """
 
 from __future__ import annotations
+
+import math
 
 import mlx.core as mx
 import numpy as np
@@ -90,3 +102,17 @@ def check_paged_inputs(
     """Raise ValueError naming the first input that breaks the contract (no device sync)."""
     cu, lens = check_lengths(cu_seqlens_q, seq_lens)
     check_arrays(q, k_cache, v_cache, block_tables, int(cu[-1]), len(lens), int(lens.max()))
+
+
+def check_variant(window, softcap, sinks, num_heads: int) -> None:
+    """The variant arguments: ValueError naming the first that is malformed."""
+    if window is not None and (isinstance(window, bool) or not isinstance(window, int)
+                               or window < 1):
+        raise ValueError(f"window: expected a positive int or None, got {window!r}")
+    if softcap is not None and (isinstance(softcap, bool) or not isinstance(softcap, (int, float))
+                                or not math.isfinite(softcap) or softcap <= 0):
+        raise ValueError(f"softcap: expected a positive finite float or None, got {softcap!r}")
+    if sinks is not None and (not isinstance(sinks, mx.array) or sinks.shape != (num_heads,)
+                              or not mx.issubdtype(sinks.dtype, mx.floating)):
+        raise ValueError(f"sinks: expected a float [{num_heads}] array (one per query head), got "
+                         f"{getattr(sinks, 'shape', type(sinks).__name__)}")

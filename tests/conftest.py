@@ -9,6 +9,7 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
+import reference
 from jit_kernels import hopper_paged_attention
 from jit_kernels.geometry import Lengths
 
@@ -18,10 +19,10 @@ os.environ.setdefault("PAGED_PREFIX_STRICT_KERNELS", "1")
 # Attention output vs the float64 oracle fed the same (rounded) inputs, per element:
 # |out - ref| <= atol + rtol |ref|. fp32 is exact up to reassociation; half types are bounded by
 # the rounding of the output (fp16 2^-11, bf16 2^-8 relative) and, in the kernels, of P.
+# fp32 is fp32 on the GPU too: `import paged_prefix` (the root conftest) turns MLX's TF32 off.
 ON_GPU = mx.default_device() == mx.gpu
 TOLERANCES = {
-    # MLX's CUDA matmuls take float32 through TF32 (10-bit mantissa): ~1e-3 relative there
-    mx.float32: (2e-3, 2e-3) if ON_GPU else (2e-5, 2e-5),
+    mx.float32: (2e-5, 2e-5),
     mx.float16: (5e-3, 5e-3),
     mx.bfloat16: (4e-2, 4e-2),
 }
@@ -59,11 +60,16 @@ def assert_close(out: mx.array, ref, dtype: mx.Dtype, what: str = "",
         f"{what}: |out - ref| exceeds atol={atol} rtol={rtol} at {worst}: {a[worst]} vs {b[worst]}")
 
 
-def oracle64(q, k_seqs, v_seqs, cu_seqlens_q, scale) -> np.ndarray:
+def oracle64(q, k_seqs, v_seqs, cu_seqlens_q, scale, window=None, softcap=None,
+             sinks=None) -> np.ndarray:
     """Float64 numpy attention, sequence by sequence from contiguous K/V (never the cache).
 
-    q [T, H, D]; k_seqs[s], v_seqs[s] [seq_len_s, Hkv, D]; bottom-right causal."""
+    q [T, H, D]; k_seqs[s], v_seqs[s] [seq_len_s, Hkv, D]; bottom-right causal, with the
+    variants of `reference.contract` (written here from their definitions, not the reference's
+    code): the query at position p sees keys p - W + 1 .. p; logits cap * tanh(s / cap); a sink
+    logit per head in the denominator."""
     qn = np.array(q.astype(mx.float32)).astype(np.float64)
+    sink = None if sinks is None else np.array(sinks.astype(mx.float32)).astype(np.float64)
     out = np.empty_like(qn)
     for s, (k, v) in enumerate(zip(k_seqs, v_seqs)):
         start, end = int(cu_seqlens_q[s]), int(cu_seqlens_q[s + 1])
@@ -72,11 +78,22 @@ def oracle64(q, k_seqs, v_seqs, cu_seqlens_q, scale) -> np.ndarray:
         group = qn.shape[1] // kn.shape[1]
         kh, vh = np.repeat(kn, group, axis=1), np.repeat(vn, group, axis=1)  # [L, H, D]
         scores = np.einsum("qhd,khd->hqk", qn[start:end], kh) * scale
+        if softcap is not None:
+            scores = softcap * np.tanh(scores / softcap)
         lq, lk = end - start, kn.shape[0]
-        visible = np.arange(lk)[None, :] <= (lk - lq + np.arange(lq))[:, None]
+        pos = (lk - lq + np.arange(lq))[:, None]
+        visible = np.arange(lk)[None, :] <= pos
+        if window is not None:
+            visible &= np.arange(lk)[None, :] > pos - window
         scores = np.where(visible[None], scores, -np.inf)
-        p = np.exp(scores - scores.max(axis=-1, keepdims=True))
-        out[start:end] = np.einsum("hqk,khd->qhd", p / p.sum(axis=-1, keepdims=True), vh)
+        top = scores.max(axis=-1, keepdims=True)
+        if sink is not None:
+            top = np.maximum(top, sink[:, None, None])
+        p = np.exp(scores - top)
+        denom = p.sum(axis=-1, keepdims=True)
+        if sink is not None:
+            denom = denom + np.exp(sink[:, None, None] - top)
+        out[start:end] = np.einsum("hqk,khd->qhd", p / denom, vh)
     return out
 
 
@@ -88,10 +105,13 @@ class PagedCase:
     `runs[s]` true gives sequence s one run of consecutive blocks instead, past the shuffled
     ones, with an unowned (NaN) block before and after it. `k_ramp` scales key p of a sequence of
     n by 1 + k_ramp p / n: late keys' scores far above early ones' (split parts that disagree).
+    With a `window`, the pages wholly left of each sequence's first visible key hold NaN too
+    (what vLLM's hybrid manager leaves there is the null block or another request's).
     """
 
     def __init__(self, q_lens, ctx_lens, num_heads, num_kv_heads, head_dim, block_size, dtype,
-                 seed=0, num_blocks=None, high_blocks=False, q_scale=1.0, runs=None, k_ramp=0.0):
+                 seed=0, num_blocks=None, high_blocks=False, q_scale=1.0, runs=None, k_ramp=0.0,
+                 window=None):
         rng = np.random.default_rng(seed)
         self.seq_lens = np.array([c + q for q, c in zip(q_lens, ctx_lens)], dtype=np.int64)
         self.cu_seqlens_q = np.concatenate([[0], np.cumsum(q_lens)]).astype(np.int64)
@@ -127,6 +147,10 @@ class PagedCase:
             v_flat[slots] = v
             self.k_seqs.append(k)
             self.v_seqs.append(v)
+            left = int(reference.key_start(ctx_lens[s], window)) // block_size * block_size
+            if left:  # pages no query sees
+                k_flat[slots[:left]] = float("nan")
+                v_flat[slots[:left]] = float("nan")
         self.q = mx.array(rng.standard_normal((sum(q_lens), num_heads, head_dim)) * q_scale,
                           dtype=dtype)
         cache_shape = (num_blocks, block_size, num_kv_heads, head_dim)
@@ -143,14 +167,14 @@ class PagedCase:
     def lengths(self) -> Lengths:
         return Lengths.of(self.cu_seqlens_q, self.seq_lens)
 
-    def attend(self, kernel, geometry, **options) -> tuple[mx.array, object]:
+    def attend(self, kernel, geometry, sinks=None, **options) -> tuple[mx.array, object]:
         """(out, plan): `kernel` planned over this case, its entry check, then its run."""
         plan = kernel.plan(self.lengths, geometry, self.block_tables, **options)
         args = (self.q, self.k_new, self.v_new, self.k_cache, self.v_cache)
-        kernel.check(*args, plan)
-        return kernel.run(*args, plan), plan
+        kernel.check(*args, plan, sinks)
+        return kernel.run(*args, plan, sinks=sinks), plan
 
-    def forward(self, dispatcher, geometry, k_cache=None, v_cache=None) -> mx.array:
+    def forward(self, dispatcher, geometry, k_cache=None, v_cache=None, sinks=None) -> mx.array:
         """This case as one forward through `dispatcher` (route, entry check, run), on its
         caches or the given ones."""
         from paged_prefix.metadata import build_attention_metadata
@@ -162,11 +186,12 @@ class PagedCase:
         args = (self.q, self.k_new, self.v_new,
                 self.k_cache if k_cache is None else k_cache,
                 self.v_cache if v_cache is None else v_cache)
-        attention.check(*args)
-        return attention(*args)
+        attention.check(*args, sinks)
+        return attention(*args, sinks)
 
-    def oracle(self, scale: float) -> np.ndarray:
-        return oracle64(self.q, self.k_seqs, self.v_seqs, self.cu_seqlens_q, scale)
+    def oracle(self, scale: float, window=None, softcap=None, sinks=None) -> np.ndarray:
+        return oracle64(self.q, self.k_seqs, self.v_seqs, self.cu_seqlens_q, scale, window,
+                        softcap, sinks)
 
 
 def plan_of(kernel, cu_seqlens_q, seq_lens, geometry, **options):

@@ -56,7 +56,7 @@ class FakeAttention(PagedAttentionKernel):
         self.planned.append(lengths.seqs(seqs))
         return FakePlan(g, lengths, block_tables, lengths.seqs(seqs), self._block_m(block_m, g))
 
-    def launch(self, q, k_cache, v_cache, plan):
+    def launch(self, q, k_cache, v_cache, plan, sinks=None):
         self.calls += 1
         self.launched_heights.append(plan.block_m)
         if self.fails:
@@ -77,6 +77,7 @@ class FakeGather:
     """A page-gather 'kernel': MLX's take, optionally broken (V copied where K belongs)."""
 
     backend = "fake"
+    features = ()
 
     def __init__(self, broken: bool = False):
         self.broken = broken
@@ -299,7 +300,7 @@ def test_canary_checks_every_tile_height(broken_rows, checked):
     """A tile height that only large batches choose is checked (and built) at first use too,
     not when a request's batch first needs it."""
     class TwoHeights(FakeAttention):
-        def launch(self, q, k_cache, v_cache, plan):
+        def launch(self, q, k_cache, v_cache, plan, sinks=None):
             out = super().launch(q, k_cache, v_cache, plan)
             return out * (1.02 if plan.block_m == broken_rows else 1.0)
     attention = TwoHeights(heights=(16, 32))
