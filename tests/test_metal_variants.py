@@ -140,41 +140,28 @@ SOFTCAP_BLOCK = """\
     }
 """
 ROW_MAX = "m_new = max(m_new, simd_shuffle_xor(m_new, ushort(8)));\n"
+LOGITS = [f"s_acc[tk].thread_elements()[{e}]" for e in (0, 1)]  # a lane's two of a fragment
 # the cap taken after the max (masked logits kept at -inf, so only the max is wrong)
-CAP_AFTER_MAX = ROW_MAX + SOFTCAP_BLOCK.replace(
-    "= softcap[0] * tanh(s_acc[tk].thread_elements()[0]);",
-    "= s_acc[tk].thread_elements()[0] == NEG_INF ? NEG_INF : "
-    "softcap[0] * tanh(s_acc[tk].thread_elements()[0]);").replace(
-    "= softcap[0] * tanh(s_acc[tk].thread_elements()[1]);",
-    "= s_acc[tk].thread_elements()[1] == NEG_INF ? NEG_INF : "
-    "softcap[0] * tanh(s_acc[tk].thread_elements()[1]);")
+CAP_AFTER_MAX = ROW_MAX + SOFTCAP_BLOCK
+for x in LOGITS:
+    CAP_AFTER_MAX = CAP_AFTER_MAX.replace(f"= softcap[0] * tanh({x});",
+                                          f"= {x} == NEG_INF ? NEG_INF : softcap[0] * tanh({x});")
 # bug: (edits (old -> new), the case that catches it)
 PLANTED_BUGS = {
-    "window_off_by_one": (
-        [("const int row_lo = row_pos - win + 1;", "const int row_lo = row_pos - win;")],
-        "window_prefill"),
-    "window_first_key_off_by_one": (
-        [("const int kv_lo = max(pos0 - win + 1, 0);", "const int kv_lo = max(pos0 - win, 0);")],
-        "window_block_edge"),
-    "one_tile_too_many_skipped": (
-        [("max(item[W_KV_START], kv_lo / BN * BN)", "max(item[W_KV_START], (kv_lo / BN + 1) * BN)")],
-        "window_prefill"),
-    "window_edge_tile_unmasked": (
-        [("if (n0 + BN > mask_from || n0 < edge_to)", "if (n0 + BN > mask_from)")],
-        "window_prefill"),
-    "loader_reads_left_of_the_window": (
-        [("if (off >= 0 && n0 + j >= kv_lo)", "if (off >= 0)")], "window_prefill"),
+    "window_off_by_one": ([("row_lo = row_pos - win + 1;", "row_lo = row_pos - win;")],
+                          "window_prefill"),
+    "window_first_key_off_by_one": ([("max(pos0 - win + 1, 0)", "max(pos0 - win, 0)")],
+                                    "window_block_edge"),
+    "one_tile_too_many_skipped": ([("kv_lo / BN * BN", "(kv_lo / BN + 1) * BN")], "window_prefill"),
+    "window_edge_tile_unmasked": ([(" || n0 < edge_to)", ")")], "window_prefill"),
+    "loader_reads_left_of_the_window": ([(" && n0 + j >= kv_lo)", ")")], "window_prefill"),
     "cap_after_the_max": ([(SOFTCAP_BLOCK, ""), (ROW_MAX, CAP_AFTER_MAX)], "softcap_saturates"),
-    "cap_on_log2_logits": (
-        [("tanh(s_acc[tk].thread_elements()[0])", "tanh(s_acc[tk].thread_elements()[0] * M_LOG2E_F)"),
-         ("tanh(s_acc[tk].thread_elements()[1])", "tanh(s_acc[tk].thread_elements()[1] * M_LOG2E_F)")],
-        "softcap_bends"),
+    "cap_on_log2_logits": ([(f"tanh({x})", f"tanh({x} * M_LOG2E_F)") for x in LOGITS],
+                           "softcap_bends"),
     "sink_dropped_in_the_merge": ([("    sum = exp2(sink - base);\n", "")], "sinks_split"),
-    "sink_added_per_split": (
-        [("if (slot < 0) {  // the sink joins", "if (true) {  // the sink joins")], "sinks_split"),
-    "sink_in_natural_units": (
-        [("sinks[kvh * GROUP + r % GROUP] * M_LOG2E_F", "sinks[kvh * GROUP + r % GROUP]")],
-        "sinks_unsplit"),
+    "sink_added_per_split": ([("if (slot < 0) {  // the sink", "if (true) {  // the sink")],
+                             "sinks_split"),
+    "sink_in_natural_units": ([("% GROUP] * M_LOG2E_F", "% GROUP]")], "sinks_unsplit"),
 }
 
 
