@@ -9,9 +9,9 @@ merge launch: merging inside the attention launch (as the CUDA kernel does) need
 device-scope release/acquire between threadgroups, which MSL offers only from Metal 3.2 on, and
 nothing here could check it on Apple hardware.
 
-Variants (compile-time features, each its own kernel): a sliding window (its size a per-call
-input; kv tiles left of a query tile's window are never visited, nor its keys there read),
-logit softcapping and attention sinks (the sink of a split row joins in the merge).
+Variants (compile-time features, each its own kernel): a sliding window (its size a column of
+the plan's work list; kv tiles left of a query tile's window are never visited, nor its keys
+there read), logit softcapping and attention sinks (a split row's sink joins in the merge).
 
 Nothing here has been run or timed on Apple hardware. The exact sources MLX would compile are
 executed on the CPU by the tests (`tests/metal_emu`), against a float64 oracle.
@@ -47,13 +47,6 @@ GPU_CORES = 16
 LOG2E = math.log2(math.e)
 
 
-def feature_macros(features: str, names: tuple[str, ...] = FEATURES) -> str:
-    """Prelude lines `#define PP_WINDOW 1` (or 0), one per feature name: what a variant's
-    kernel compiles in (`features`: `Geometry.features`, e.g. "window+sinks")."""
-    on = features.split("+")
-    return "".join(f"#define PP_{name.upper()} {int(name in on)}\n" for name in names)
-
-
 # Every variant's features, as `Geometry.features` spells them ("" is plain attention).
 VARIANTS = tuple("+".join(name for name, used in zip(FEATURES, mask) if used)
                  for mask in itertools.product((False, True), repeat=len(FEATURES)))
@@ -61,13 +54,14 @@ VARIANTS = tuple("+".join(name for name, used in zip(FEATURES, mask) if used)
 # source per variant (the merge's only feature is the sink).
 ATTENTION = {features: sources.mlx_kernel(
     "paged_attention.metal",
-    feature_macros(features) +
+    sources.feature_flags(features) +
     sources.constants(sources.METAL, BLOCK_Q=BLOCK_Q, NUM_THREADS=NUM_THREADS) +
-    sources.columns(sources.METAL, "W_", tile_plan.WORK_COLUMNS, "WORK_COLS"))
+    sources.columns(sources.METAL, "W_", tile_plan.work_columns("window" in features.split("+")),
+                    "WORK_COLS"))
     for features in VARIANTS}
 MERGE = {sinks: sources.mlx_kernel(
     "split_merge.metal",
-    feature_macros("sinks" if sinks else "", ("sinks",)) +
+    sources.feature_flags("sinks" * sinks) +
     sources.constants(sources.METAL, BLOCK_Q=BLOCK_Q, NUM_THREADS=NUM_THREADS) +
     sources.columns(sources.METAL, "M_", tile_plan.MERGE_COLUMNS, "MERGE_COLS"))
     for sinks in (False, True)}
@@ -77,8 +71,8 @@ MERGE = {sinks: sources.mlx_kernel(
 class MetalAttentionPlan(Plan):
     tiles: tile_plan.TilePlan
     qk_scale: mx.array  # float32 [1]: scale * log2(e), folded into Q; softcapped: scale / cap
-    # the variant's per-call values, inputs after qk_scale: window int32 [1] (W) and softcap
-    # float32 [1] (cap * log2(e)), each when the geometry has it
+    # the cap's input after qk_scale: softcap float32 [1] (cap * log2(e)) when the geometry has
+    # one (a window's W is a column of the work list)
     feature_inputs: tuple[mx.array, ...]
     launch: dict  # the attention call's arguments other than its inputs
     merge_launch: dict | None  # the merge's, when the plan splits keys
@@ -107,12 +101,10 @@ class MetalPagedAttention(PagedAttentionKernel):
         tiles = tile_plan.build_tile_plan(lengths.cu_seqlens_q, lengths.seq_lens, g.group,
                                           g.num_kv_heads, BLOCK_Q, BLOCK_N[g.head_dim],
                                           GPU_CORES, seqs=np.asarray(seqs), window=g.window)
-        feature_inputs = []
-        if g.window is not None:
-            feature_inputs.append(mx.array([g.window], dtype=mx.int32))
+        feature_inputs = ()
         if g.softcap is not None:  # tanh takes the natural-unit logit over the cap
             qk_scale = g.scale / g.softcap
-            feature_inputs.append(mx.array([g.softcap * LOG2E], dtype=mx.float32))
+            feature_inputs = (mx.array([g.softcap * LOG2E], dtype=mx.float32),)
         else:
             qk_scale = g.scale * LOG2E
         out_shape = (lengths.num_tokens, g.num_heads, g.head_dim)
@@ -130,8 +122,8 @@ class MetalPagedAttention(PagedAttentionKernel):
             output_shapes=[out_shape], output_dtypes=[g.dtype])
         return MetalAttentionPlan(
             g, lengths, block_tables, seqs, tiles=tiles,
-            qk_scale=mx.array([qk_scale], dtype=mx.float32),
-            feature_inputs=tuple(feature_inputs), launch=launch, merge_launch=merge_launch)
+            qk_scale=mx.array([qk_scale], dtype=mx.float32), feature_inputs=feature_inputs,
+            launch=launch, merge_launch=merge_launch)
 
     def _kernel(self, kind: str, g: Geometry):
         # the merge's only feature is the sink: windowed or capped variants share theirs
@@ -141,10 +133,11 @@ class MetalPagedAttention(PagedAttentionKernel):
             used = [name for name in FEATURES if name in features.split("+")]
             variant = "_".join([f"{dtype_name(g.dtype)}_d{g.head_dim}_g{g.group}_b{g.block_size}",
                                 *used])
+            extra = [name for name in used if name != "window"]  # W rides in the work list
             inputs, outputs, source = {
                 "attention": (["q", "k_cache", "v_cache", "block_tables", "work", "qk_scale",
-                               *used], ["out", "o_part", "lse_part"], ATTENTION[features]),
-                "merge": (["o_part", "lse_part", "merge", "attn_out", *used], ["out"],
+                               *extra], ["out", "o_part", "lse_part"], ATTENTION[features]),
+                "merge": (["o_part", "lse_part", "merge", "attn_out", *extra], ["out"],
                           MERGE[g.sinks]),
             }[kind]
             # ensure_row_contiguous (the default) copies a strided input: the runner's caches

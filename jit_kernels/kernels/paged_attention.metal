@@ -7,16 +7,16 @@
 // Inputs:  q [T, H, D] T; k_cache, v_cache [num_blocks, BS, Hkv, D] T, or the same bytes in
 //          any dtype (a PagedKVCache's 4-byte words); block_tables [S, max_blocks] int32
 //          (constant when it has under 8 elements); work [num_items, WORK_COLS] int32
-//          (plan.py); qk_scale float32 [1]: scale * log2(e), folded into Q (with PP_SOFTCAP,
-//          scale / cap). Per feature: window int32 [1] (PP_WINDOW: W >= 1); softcap float32
-//          [1] (PP_SOFTCAP: cap * log2(e)); sinks float32 [H] (PP_SINKS: one logit per head).
+//          (plan.py; with WINDOW its W_WINDOW column holds W); qk_scale float32 [1]:
+//          scale * log2(e), folded into Q (with SOFTCAP, scale / cap). Per feature: softcap
+//          float32 [1] (SOFTCAP: cap * log2(e)); sinks float32 [H] (SINKS: a logit per head).
 // Outputs: out [T, H, D] T (unsplit tiles); o_part [slots, BLOCK_Q, D] float32, lse_part
 //          [slots, BLOCK_Q] float32: a split's output normalised by its own row sum and its
 //          log2-sum-exp (-inf: no key), without the sink (the merge adds it).
 // Grid:    a threadgroup of NUM_THREADS (four simdgroups, an 8-row band each) per work item.
 // Template: T, HEAD_DIM, GROUP, BS (block size), BN (keys per K/V tile). Injected: BLOCK_Q,
-//          NUM_THREADS, WORK_COLS and the W_ columns; the features PP_WINDOW, PP_SOFTCAP and
-//          PP_SINKS (0 or 1: a plain variant's preprocessed text is the kernel without them).
+//          NUM_THREADS, WORK_COLS and the W_ columns; the features WINDOW, SOFTCAP and
+//          SINKS (0 or 1: a plain variant's preprocessed text is the kernel without them).
 // Sentinels: a work item's SLOT -1: its tile is not split, its rows go to out; row_off -1: a
 //          key past KV_END, zero-filled; lse_part -inf: a split saw no key.
 // Threadgroup memory: K and V tiles [BN][HEAD_DIM + PAD] (16-byte row padding), the page
@@ -41,8 +41,8 @@
   const uint lane = thread_index_in_simdgroup;
   auto item = work + threadgroup_position_in_grid.x * WORK_COLS;
   const int seq = item[W_SEQ], tok0 = item[W_TOK0], ntok = item[W_NTOK], pos0 = item[W_POS0];
-#if PP_WINDOW
-  const int win = window[0];
+#if WINDOW
+  const int win = item[W_WINDOW];
   const int kv_lo = max(pos0 - win + 1, 0);  // the first key any row of this tile sees
   // the item's range from the kv tile holding kv_lo: tiles wholly left of it are never read
   const int kvh = item[W_KV_HEAD], kv_start = max(item[W_KV_START], kv_lo / BN * BN);
@@ -68,7 +68,7 @@
   const bool row_valid = r < rows;
   const bool sg_active = int(sg) * 8 < rows;  // simdgroup-uniform: idle bands only load
   const int row_pos = pos0 + r / GROUP;       // absolute position: sees keys 0 .. row_pos
-#if PP_WINDOW
+#if WINDOW
   const int row_lo = row_pos - win + 1;       // ... from row_lo on
 #endif
   const long q_off = (long(tok0 + r / GROUP) * num_heads + kvh * GROUP + r % GROUP) * D + fn;
@@ -96,7 +96,7 @@
       const int j = c / (D / 4), d = (c % (D / 4)) * 4;
       const long off = row_off[buf][j];
       vec<T, 4> kv = vec<T, 4>(T(0.0f)), vv = vec<T, 4>(T(0.0f));
-#if PP_WINDOW
+#if WINDOW
       if (off >= 0 && n0 + j >= kv_lo) {  // zero left of the window too: its pages are not ours
 #else
       if (off >= 0) {  // zero past the keys: masked P * V must stay finite
@@ -127,7 +127,7 @@
         simdgroup_multiply_accumulate(s_acc[tk], q_frag[td], k_frag, s_acc[tk]);
       }
     }
-#if PP_SOFTCAP
+#if SOFTCAP
     // S holds scale * q.k / cap: cap * tanh(.) in natural units (softcap[0] = cap * log2 e
     // takes it to log2 units), before the max sees it
     PP_UNROLL for (int tk = 0; tk < TK; ++tk) {
@@ -135,7 +135,7 @@
       s_acc[tk].thread_elements()[1] = softcap[0] * tanh(s_acc[tk].thread_elements()[1]);
     }
 #endif
-#if PP_WINDOW
+#if WINDOW
     if (n0 + BN > mask_from || n0 < edge_to) {  // the diagonal's or the window's edge
 #else
     if (n0 + BN > mask_from) {  // diagonal, split-edge or last tile: mask by position
@@ -144,7 +144,7 @@
         PP_UNROLL for (int e = 0; e < 2; ++e) {
           const int key = n0 + tk * 8 + fn + e;
           if (key > row_pos || key >= kv_end) s_acc[tk].thread_elements()[e] = NEG_INF;
-#if PP_WINDOW
+#if WINDOW
           if (key < row_lo) s_acc[tk].thread_elements()[e] = NEG_INF;
 #endif
         }
@@ -184,7 +184,7 @@
   }
 
   if (!row_valid) return;
-#if PP_SINKS
+#if SINKS
   if (slot < 0) {  // the sink joins the max and the sum once per row: a split's in the merge
     const float sink = sinks[kvh * GROUP + r % GROUP] * M_LOG2E_F;
     const float top = max(m_run, sink);
