@@ -19,7 +19,7 @@ executed on the CPU by the tests (`tests/metal_emu`), against a float64 oracle.
 
 from __future__ import annotations
 
-import itertools
+import functools
 import math
 from dataclasses import dataclass
 
@@ -47,24 +47,25 @@ GPU_CORES = 16
 LOG2E = math.log2(math.e)
 
 
-# Every variant's features, as `Geometry.features` spells them ("" is plain attention).
-VARIANTS = tuple("+".join(name for name, used in zip(FEATURES, mask) if used)
-                 for mask in itertools.product((False, True), repeat=len(FEATURES)))
-# The kernels: kernels/paged_attention.metal and, for split tiles, kernels/split_merge.metal, a
-# source per variant (the merge's only feature is the sink).
-ATTENTION = {features: sources.mlx_kernel(
-    "paged_attention.metal",
-    sources.feature_flags(features) +
-    sources.constants(sources.METAL, BLOCK_Q=BLOCK_Q, NUM_THREADS=NUM_THREADS) +
-    sources.columns(sources.METAL, "W_", tile_plan.work_columns("window" in features.split("+")),
-                    "WORK_COLS"))
-    for features in VARIANTS}
-MERGE = {sinks: sources.mlx_kernel(
-    "split_merge.metal",
-    sources.feature_flags("sinks" * sinks) +
-    sources.constants(sources.METAL, BLOCK_Q=BLOCK_Q, NUM_THREADS=NUM_THREADS) +
-    sources.columns(sources.METAL, "M_", tile_plan.MERGE_COLUMNS, "MERGE_COLS"))
-    for sinks in (False, True)}
+@functools.cache
+def attention_source(features: str) -> sources.MlxSource:
+    """kernels/paged_attention.metal for a variant's features (`Geometry.features`)."""
+    return sources.mlx_kernel("paged_attention.metal", sources.attention_prelude(
+        sources.METAL, features, BLOCK_Q=BLOCK_Q, NUM_THREADS=NUM_THREADS))
+
+
+@functools.cache
+def merge_source(sinks: bool) -> sources.MlxSource:
+    """kernels/split_merge.metal, which split tiles end with; its only feature is the sink."""
+    return sources.mlx_kernel(
+        "split_merge.metal",
+        sources.feature_flags("sinks" * sinks) +
+        sources.constants(sources.METAL, BLOCK_Q=BLOCK_Q, NUM_THREADS=NUM_THREADS) +
+        sources.columns(sources.METAL, "M_", tile_plan.MERGE_COLUMNS, "MERGE_COLS"))
+
+
+# The plain variant's kernels (no window, cap or sinks).
+ATTENTION, MERGE = attention_source(""), merge_source(False)
 
 
 @dataclass(frozen=True)
@@ -136,9 +137,9 @@ class MetalPagedAttention(PagedAttentionKernel):
             extra = [name for name in used if name != "window"]  # W rides in the work list
             inputs, outputs, source = {
                 "attention": (["q", "k_cache", "v_cache", "block_tables", "work", "qk_scale",
-                               *extra], ["out", "o_part", "lse_part"], ATTENTION[features]),
+                               *extra], ["out", "o_part", "lse_part"], attention_source(features)),
                 "merge": (["o_part", "lse_part", "merge", "attn_out", *extra], ["out"],
-                          MERGE[g.sinks]),
+                          merge_source(g.sinks)),
             }[kind]
             # ensure_row_contiguous (the default) copies a strided input: the runner's caches
             # (PagedKVCache's arrays, as stored) are contiguous, bound in place.

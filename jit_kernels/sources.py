@@ -63,6 +63,14 @@ def columns(declare: str, prefix: str, names: tuple[str, ...], count: str) -> st
         plan.column_constants(prefix, names, declare) + "\n"
 
 
+def attention_prelude(declare: str, features: str, **values: int) -> str:
+    """An attention kernel's prelude for a variant's features: their flags, the constants
+    `values`, and the work list's columns (a windowed plan's items carry W)."""
+    windowed = "window" in features.split("+")
+    return feature_flags(features) + constants(declare, **values) + \
+        columns(declare, "W_", plan.work_columns(windowed), "WORK_COLS")
+
+
 def half_type(dtype: mx.Dtype) -> str:
     """An NVRTC kernel's T (16-bit storage: the kernels move bits) and AB, the operand type its
     tensor-core instructions name."""

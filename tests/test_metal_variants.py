@@ -21,7 +21,7 @@ from paged_prefix import dispatch
 from paged_prefix.metadata import build_attention_metadata
 from tests.conftest import PagedCase, assert_close
 from tests.metal_emu import KernelError, metal_kernel
-from tests.test_metal_emulated import DTYPES, check, mutated
+from tests.test_metal_emulated import DTYPES, FEATURE_SETS, check, mutated
 
 pytestmark = pytest.mark.emulated
 
@@ -168,9 +168,9 @@ PLANTED_BUGS = {
 @pytest.mark.parametrize("bug", PLANTED_BUGS)
 def test_planted_variant_bug_is_caught(bug):
     edits, case = PLANTED_BUGS[bug]
-    texts = [text for kernel in (*metal_attention.ATTENTION.values(),
-                                 *metal_attention.MERGE.values())
-             for text in (kernel.header, kernel.source)]
+    kernels = [*map(metal_attention.attention_source, FEATURE_SETS),
+               metal_attention.merge_source(True)]
+    texts = [text for kernel in kernels for text in (kernel.header, kernel.source)]
     for old, _ in edits:
         assert any(old in text for text in texts), f"{bug}: the kernels changed, update it"
     with pytest.raises((AssertionError, KernelError)):

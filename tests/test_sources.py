@@ -18,8 +18,8 @@ from jit_kernels import (
 from jit_kernels.geometry import Geometry
 
 G = Geometry(32, 8, 128, 16, mx.bfloat16, 128 ** -0.5)
-MLX_SOURCES = [cuda_paged_attention.SOURCE, *metal_paged_attention.ATTENTION.values(),
-               *metal_paged_attention.MERGE.values(), *page_gather.SOURCES.values()]
+MLX_SOURCES = [cuda_paged_attention.SOURCE, metal_paged_attention.ATTENTION,
+               metal_paged_attention.MERGE, *page_gather.SOURCES.values()]
 UNITS = [hopper_paged_attention.kernel_source("k", G),
          hopper_prefill_attention.kernel_source("k", G)]
 TEXTS = [s.header + s.source for s in MLX_SOURCES] + UNITS
