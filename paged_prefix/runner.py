@@ -3,7 +3,10 @@
 `PagedModelRunner.forward(meta)` runs its own copy of an mlx-lm model (`paged_model.py`: the
 same weight arrays, the caller's model left as it was) whose attention reads and writes the
 paged KV cache, computing only the scheduled tokens, and returns the logits of the rows that
-sample. Every check runs before the first cache write, and a forward that raises
+sample (and of the prompt rows a request wants prompt logprobs for). Its architecture
+(`architectures`) gives the embedding and the logits around mlx-lm's own decoder layers, and
+each layer's attention geometry (window, softcap, sinks): a forward plans one attention per
+distinct geometry. Every check runs before the first cache write, and a forward that raises
 while its graph is built leaves the cache as it was, unless it raises after pipelined
 evaluation began (an error inside the model's own code past layer 0): then the layers already
 evaluated have written their rows, into this forward's own slots and no others.
@@ -23,17 +26,18 @@ from dataclasses import dataclass
 
 import mlx.core as mx
 import mlx.nn as nn
+import numpy as np
 
+from jit_kernels.arrays import device_array
 from jit_kernels.geometry import Geometry
 
+from .architectures import Architecture, LayerAttention, architecture, check_model
 from .attention import ForwardContext, PagedAttention
-from .dispatch import Dispatcher
+from .dispatch import Dispatcher, ForwardAttention
 from .kv_cache import PagedKVCache, Slots
 from .metadata import BatchMetadata
 from .paged_model import paged_model
-
-# mlx-lm model types whose attention PagedAttention takes over (mistral runs mlx-lm's llama).
-SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
+from .validate import as_ints
 
 
 @dataclass
@@ -42,15 +46,13 @@ class RunnerStats:
     tokens_computed: int = 0  # rows that went through the model: the suffix-only count
 
 
-def check_model(model: nn.Module) -> None:
-    """Raise ValueError unless every layer is full attention of a supported type."""
-    args = model.args
-    model_type = getattr(args, "model_type", None)
-    if model_type not in SUPPORTED_MODEL_TYPES:
-        raise ValueError(f"model_type: {model_type!r} is not one of {SUPPORTED_MODEL_TYPES}")
-    layer_types = set(getattr(args, "layer_types", None) or ["full_attention"])
-    if layer_types != {"full_attention"}:
-        raise ValueError(f"layer_types: only full attention is supported, got {sorted(layer_types)}")
+def attention_of(model: nn.Module) -> tuple[Architecture, list[LayerAttention]]:
+    """The model's architecture and each layer's attention (`architectures.check_model`); a
+    runner's own tree, taken over again, keeps the attention its layers already run."""
+    attns = [layer.self_attn for layer in model.layers]
+    if all(isinstance(a, PagedAttention) for a in attns):
+        return architecture(model.args.model_type), [a.spec for a in attns]
+    return check_model(model)
 
 
 # Side by side on the H200, 1.1B config (docs/gpu.md at commit 9fc46d4, "Pipelining"): prefills of 4096 and
@@ -84,31 +86,34 @@ def _release_last_step() -> None:
     mx.synchronize()
 
 
-def _lm_head(model: nn.Module, hidden: mx.array) -> mx.array:
-    if model.args.tie_word_embeddings:
-        return model.model.embed_tokens.as_linear(hidden)
-    return model.lm_head(hidden)
+def _checked_rows(rows: np.ndarray | None, num_tokens: int) -> np.ndarray:
+    """Prompt-logprob rows as int32 packed-row indices, each one of the forward's rows."""
+    if rows is None:
+        return np.zeros(0, dtype=np.int32)
+    return as_ints(rows, "prompt_rows", low=0, high=num_tokens - 1).astype(np.int32)
 
 
 class PagedModelRunner:
     def __init__(self, model: nn.Module, kv_cache: PagedKVCache,
                  dispatcher: Dispatcher | None = None, pipeline: bool | None = None):
-        check_model(model)
-        model = paged_model(model)  # the runner's own tree: the caller's model is left as it was
-        num_layers = len(model.layers)
+        arch, specs = attention_of(model)
+        num_layers = len(specs)
         if kv_cache.num_layers != num_layers:
             raise ValueError(f"kv_cache: {kv_cache.num_layers} layers for a {num_layers}-layer model")
-        attn: PagedAttention = model.layers[0].self_attn
-        head_dim = attn.q_proj.weight.shape[0] // attn.n_heads
-        if (kv_cache.num_kv_heads, kv_cache.head_dim) != (attn.n_kv_heads, head_dim):
-            raise ValueError(
-                f"kv_cache: {kv_cache.num_kv_heads} kv heads of {kv_cache.head_dim} but the "
-                f"model has {attn.n_kv_heads} of {head_dim}")
-        self.model = model
+        for i, spec in enumerate(specs):
+            if (kv_cache.num_kv_heads, kv_cache.head_dim) != (spec.num_kv_heads, spec.head_dim):
+                raise ValueError(
+                    f"kv_cache: {kv_cache.num_kv_heads} kv heads of {kv_cache.head_dim} but the "
+                    f"model's layer {i} has {spec.num_kv_heads} of {spec.head_dim}")
+        # the runner's own tree: the caller's model is left as it was
+        self.model = paged_model(model, specs)
+        self.architecture = arch
         self.kv_cache = kv_cache
         self.dispatcher = dispatcher or Dispatcher()
-        self.geometry = Geometry(attn.n_heads, attn.n_kv_heads, head_dim, kv_cache.block_size,
-                                 kv_cache.dtype, float(attn.scale))
+        # one per layer; a forward plans each distinct one once
+        self.geometries: tuple[Geometry, ...] = tuple(
+            layer.self_attn.geometry(kv_cache.block_size, kv_cache.dtype)
+            for layer in self.model.layers)
         self.vocab_size = model.args.vocab_size
         self.pipeline = pipeline  # None: on a GPU, for forwards of PIPELINE_MIN_TOKENS or more
         self.stats = RunnerStats()
@@ -139,14 +144,22 @@ class PagedModelRunner:
                                                         meta.slot_mapping)
         return self._last_slots[1]
 
-    def forward(self, meta: BatchMetadata) -> mx.array:
-        """Logits [len(meta.sample_req_ids), vocab] (float32), lazily; the caller evaluates
-        them together with `kv_cache.arrays()`."""
+    def _plan(self, meta: BatchMetadata) -> tuple[tuple[ForwardAttention, ...], frozenset[int]]:
+        """Each layer's planned attention, one plan per distinct geometry, and the layers that
+        run each plan's entry check (the first of its geometry)."""
+        planned = {g: self.dispatcher.plan(meta.attn, g) for g in dict.fromkeys(self.geometries)}
+        first = frozenset(self.geometries.index(g) for g in planned)
+        return tuple(planned[g] for g in self.geometries), first
+
+    def forward(self, meta: BatchMetadata, prompt_rows: np.ndarray | None = None) -> mx.array:
+        """Logits (float32), lazily: one row per request that samples (`meta.sample_req_ids`
+        order), then one per packed row listed in `prompt_rows` (rows whose prompt logprobs
+        a request asked for); the caller evaluates them together with `kv_cache.arrays()`."""
         self._check(meta)
+        prompt_rows = _checked_rows(prompt_rows, meta.num_tokens)
         slots = self._slots(meta)
-        attention = self.dispatcher.plan(meta.attn, self.geometry)
-        ctx = ForwardContext(meta, self.kv_cache, slots, attention)
-        # mlx-lm's model loop, with no mask (causality comes from the metadata)
+        ctx = ForwardContext(meta, self.kv_cache, slots, *self._plan(meta))
+        # mlx-lm's model loop, with no mask (causality and windows come from the metadata)
         inner = self.model.model
         pipeline = self.pipeline
         if pipeline is None:
@@ -155,7 +168,7 @@ class PagedModelRunner:
         snapshot = self.kv_cache.snapshot()
         unsent = 0  # the first layer whose writes have not been sent to the device
         try:
-            hidden = inner.embed_tokens(meta.input_ids)  # [T, hidden]: packed rows
+            hidden = self.architecture.embed(self.model, meta.input_ids)  # [T, hidden]: packed
             for i, layer in enumerate(inner.layers):
                 hidden = layer(hidden, None, ctx)
                 if pipeline and _sends_after(i):
@@ -179,11 +192,19 @@ class PagedModelRunner:
             _release_last_step()
         self.stats.forwards += 1
         self.stats.tokens_computed += meta.num_tokens
-        if not meta.sample_req_ids:  # a mid-prompt chunk: only its K/V writes matter
+        if not meta.sample_req_ids and not len(prompt_rows):
+            # a mid-prompt chunk: only its K/V writes matter
             return mx.zeros((0, self.vocab_size), dtype=mx.float32)
-        # Only rows that sample pay for the final norm (row-wise) and the vocabulary projection.
-        sampled = mx.take(hidden, meta.logits_indices, axis=0)
-        return _lm_head(self.model, inner.norm(sampled)).astype(mx.float32)
+        # Only rows that sample, or that a request's prompt logprobs need, pay for the final
+        # norm (row-wise) and the vocabulary projection; each set in a projection of its own,
+        # so the sampling rows' logits are the same bits whether or not prompt rows ride
+        # along (a matmul's rounding may follow its row count: gemv for one row).
+        picked = [meta.logits_indices] if meta.sample_req_ids else []
+        if len(prompt_rows):
+            picked.append(device_array(prompt_rows))
+        logits = [self.architecture.logits(self.model, inner.norm(mx.take(hidden, rows, axis=0)))
+                  for rows in picked]
+        return (logits[0] if len(logits) == 1 else mx.concatenate(logits)).astype(mx.float32)
 
     def greedy(self, meta: BatchMetadata) -> list[int]:
         """Greedy next token per sampling row; the one host sync of a step."""
