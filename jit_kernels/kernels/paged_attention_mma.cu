@@ -113,6 +113,7 @@
   if constexpr (MT == 1)
     for (int ks = 0; ks < KSTEPS; ++ks) q_frag(0, ks, qf[ks]);
 
+  float o[MT][DTILES][4] = {};
   const int row_lo = warp * WARP_M + lane / 4;  // this thread's rows: row_lo + 16 mt + 8 i
 #include "row_state.inc"
 

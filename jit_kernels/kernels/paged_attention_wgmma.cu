@@ -95,6 +95,7 @@ KERNEL_NAME(const T* q, const T* k_cache, const T* v_cache, const int* block_tab
   const int row_lo = warp * 16 + lane / 4;
   uint32_t qf[KSTEPS][4];
   load_q_fragments<GROUP>(qf, q, tok0, H, kvh, row_lo, rows, lane);
+  float o[MT][DTILES][4] = {};
 #include "row_state.inc"
 
   for (int t = 0; t < num_tiles; ++t) {

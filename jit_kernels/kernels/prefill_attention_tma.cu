@@ -136,6 +136,7 @@ KERNEL_NAME(const T* q, const T* k_cache, const T* v_cache, const int* block_tab
   const float scale_log2 = __int_as_float(QK_SCALE_BITS);
   uint32_t qf[KSTEPS][4];
   load_q_fragments<GROUP>(qf, q, tok0, H, kvh, row_lo, rows, lane);
+  float o[MT][DTILES][4] = {};
 #include "row_state.inc"
 
   // V rows of a stage's tile whose keys the item does not read hold other data: past kv_end
