@@ -16,6 +16,7 @@ x [T, hidden], and:
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -28,6 +29,9 @@ from .kv_cache import PagedKVCache, Slots
 from .linear import StackedLinear
 from .metadata import BatchMetadata
 
+if TYPE_CHECKING:
+    from .recurrent_layers import ForwardStates
+
 
 @dataclass(frozen=True, eq=False)
 class ForwardContext:
@@ -38,6 +42,7 @@ class ForwardContext:
     slots: Slots
     attentions: tuple[ForwardAttention, ...]  # per layer; layers of one geometry share one
     checked: frozenset[int]  # the layers that run their attention's entry check
+    states: ForwardStates | None = None  # a hybrid model's recurrent layers (recurrent_layers.py)
 
     def make_mask(self, *args, **kwargs) -> None:
         # mlx-lm asks the cache for a mask; causality and windows come from the metadata.
