@@ -25,6 +25,7 @@ import numpy as np
 from jit_kernels.arrays import device_array
 from jit_kernels.geometry import Lengths
 
+from .state_metadata import StateMetadata
 from .validate import MAX_INT32, as_int, as_ints, frozen, index_dtype
 
 
@@ -209,6 +210,8 @@ class BatchMetadata:
     logits_indices: mx.array
     sample_req_ids: tuple[str, ...]
     attn: AttentionMetadata
+    # a hybrid model's recurrent state rows (`state_metadata.py`); None for other models
+    states: StateMetadata | None = None
 
     @property
     def num_tokens(self) -> int:

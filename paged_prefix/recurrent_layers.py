@@ -19,6 +19,7 @@ import mlx.nn as nn
 from mlx_lm.models.lfm2 import ShortConv
 from mlx_lm.models.qwen3_next import Qwen3NextGatedDeltaNet
 
+from .architectures.base import RecurrentLayer
 from .recurrent import gated_delta_net, short_conv
 from .state_cache import RecurrentStateCache
 from .state_metadata import StateMetadata
@@ -83,3 +84,17 @@ class PagedShortConv(ShortConv):
         out, conv = short_conv(self, x, states.meta.plan, conv)
         states.cache.write(self.state_layer, states.meta, (conv,))
         return out
+
+
+def patch_recurrent(model: nn.Module, layers: list[RecurrentLayer | None]) -> int:
+    """Replace every recurrent layer's module with its drop-in, numbered in layer order as the
+    state cache holds them; returns how many."""
+    index = 0
+    for layer, rec in zip(model.layers, layers, strict=True):
+        if rec is None:
+            continue
+        module = layer[rec.attribute]
+        if not isinstance(module, rec.paged):
+            layer[rec.attribute] = rec.paged(module, index)
+        index += 1
+    return index

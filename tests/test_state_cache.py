@@ -13,7 +13,7 @@ from mlx_lm.models import lfm2, qwen3_next
 from mlx_lm.models.cache import ArraysCache
 
 from paged_prefix.attention import ForwardContext
-from paged_prefix.recurrent import HYBRID_CONFIGS
+from paged_prefix.models import BUILTIN_CONFIGS
 from paged_prefix.recurrent import lfm2 as lfm2_states
 from paged_prefix.recurrent import qwen3_next as qwen3_next_states
 from paged_prefix.recurrent_layers import ForwardStates, PagedGatedDeltaNet, PagedShortConv
@@ -32,11 +32,11 @@ B = 4  # tokens per state block
 def layer_of(kind: str):
     mx.random.seed(0)
     if kind == "gdn":
-        model = qwen3_next.Model(qwen3_next.ModelArgs.from_dict(HYBRID_CONFIGS["qwen3-next-test"]))
+        model = qwen3_next.Model(qwen3_next.ModelArgs.from_dict(BUILTIN_CONFIGS["qwen3-next-test"]))
         layer = model.layers[0].linear_attn
         shapes = qwen3_next_states.state_shapes(layer)
         return layer, PagedGatedDeltaNet(layer, 0), shapes, (mx.float32, mx.float32)
-    model = lfm2.Model(lfm2.ModelArgs.from_dict(HYBRID_CONFIGS["lfm2-test"]))
+    model = lfm2.Model(lfm2.ModelArgs.from_dict(BUILTIN_CONFIGS["lfm2-test"]))
     layer = model.layers[0].conv
     return layer, PagedShortConv(layer, 0), lfm2_states.state_shapes(layer), (mx.float32,)
 
