@@ -21,6 +21,7 @@ import torch
 from vllm.sampling_params import SamplingParams
 from vllm.v1.core.sched.output import CachedRequestData, NewRequestData, SchedulerOutput
 
+from .hybrid import HybridLimits, rows_of, step_states
 from .metadata import BatchMetadata, ScheduledRequest, build_batch_metadata
 from .validate import as_ints
 from .vllm_sampling import make_generator, token_id_options, unsupported_reason
@@ -34,6 +35,9 @@ class RequestState:
     params: SamplingParams
     generator: torch.Generator | None  # seeded requests only; survives preemption
     num_computed: int  # tokens whose K/V are in the cache (this runner's, or the scheduler's hit)
+    # a hybrid model's state rows, per state group in vLLM's block ids (block_ids then holds
+    # its attention row in kernel block ids: `hybrid.rows_of`)
+    state_rows: tuple[tuple[int, ...], ...] = ()
 
     @property
     def token_ids(self) -> list[int]:
@@ -48,6 +52,7 @@ class Limits:
     block_size: int
     num_blocks: int
     max_sampling_rows: int  # the sampler's rows: max_num_seqs
+    hybrid: HybridLimits | None = None  # a hybrid model's groups (`hybrid.py`)
 
 
 @dataclass(frozen=True)
@@ -59,13 +64,17 @@ class StepPlan:
     meta: BatchMetadata | None  # None: no token is scheduled
 
 
-def block_ids(groups, req_id: str, limits: Limits) -> tuple[int, ...]:
-    """The one KV-cache group's block ids, each a block of the pool."""
+def block_ids(groups, req_id: str, limits: Limits) -> tuple[tuple[int, ...], tuple]:
+    """(attention block ids, state rows): the one KV-cache group's ids, each a block of the
+    pool; for a hybrid model its attention and state groups' (`hybrid.rows_of`)."""
+    if limits.hybrid is not None:
+        attention, states = rows_of(groups, req_id, limits.hybrid)
+        return tuple(attention), states
     if not isinstance(groups, (tuple, list)) or len(groups) != 1:
         raise ValueError(f"block_ids: request {req_id!r} must carry exactly one KV-cache "
                          f"group's block list, got {groups!r}")
     return tuple(as_ints(groups[0], f"block_ids ({req_id!r})", low=0,
-                         high=limits.num_blocks - 1).tolist())
+                         high=limits.num_blocks - 1).tolist()), ()
 
 
 def admit(new: NewRequestData, limits: Limits) -> RequestState:
@@ -94,9 +103,9 @@ def admit(new: NewRequestData, limits: Limits) -> RequestState:
     logprobs = new.sampling_params.logprobs
     if logprobs is not None and logprobs > vocab:
         raise ValueError(f"logprobs ({rid!r}): {logprobs} exceeds the vocabulary of {vocab}")
-    return RequestState(tuple(prompt.tolist()), (), block_ids(new.block_ids, rid, limits),
-                        new.sampling_params, make_generator(new.sampling_params),
-                        new.num_computed_tokens)
+    attention, states = block_ids(new.block_ids, rid, limits)
+    return RequestState(tuple(prompt.tolist()), (), attention, new.sampling_params,
+                        make_generator(new.sampling_params), new.num_computed_tokens, states)
 
 
 def update(state: RequestState, req_id: str, cached: CachedRequestData, i: int,
@@ -106,7 +115,8 @@ def update(state: RequestState, req_id: str, cached: CachedRequestData, i: int,
     if req_id in cached.resumed_req_ids:
         # A preempted request comes back with a fresh block list (maybe a new hit) and,
         # from the scheduler, every token it knows.
-        state = dataclasses.replace(state, block_ids=block_ids(new_blocks, req_id, limits))
+        attention, states = block_ids(new_blocks, req_id, limits)
+        state = dataclasses.replace(state, block_ids=attention, state_rows=states)
         if req_id in cached.all_token_ids:
             known = as_ints(cached.all_token_ids[req_id], f"all_token_ids ({req_id!r})",
                             low=0, high=limits.vocab_size - 1).tolist()
@@ -116,15 +126,23 @@ def update(state: RequestState, req_id: str, cached: CachedRequestData, i: int,
             state = dataclasses.replace(state, output_token_ids=tuple(known[prompt_len:]))
         return state
     if new_blocks is not None:  # None: no new block this step
-        added = block_ids(new_blocks, req_id, limits)
-        state = dataclasses.replace(state, block_ids=state.block_ids + added)
+        added, states = block_ids(new_blocks, req_id, limits)
+        state = dataclasses.replace(state, block_ids=state.block_ids + added, state_rows=tuple(
+            row + more for row, more in zip(state.state_rows, states, strict=True)))
     return state
 
 
-def plan_step(live: Mapping[str, RequestState], so: SchedulerOutput, limits: Limits) -> StepPlan:
-    """The step `so` over the `live` request states, checked; `live` is left as it was."""
-    for field_name in ("scheduled_spec_decode_tokens", "scheduled_encoder_inputs",
-                       "kv_cache_block_copies", "new_block_ids_to_zero"):
+def plan_step(live: Mapping[str, RequestState], so: SchedulerOutput, limits: Limits,
+              ledger: Mapping | None = None) -> StepPlan:
+    """The step `so` over the `live` request states, checked; `live` is left as it was.
+    ledger: a hybrid model's count of what each state block holds (`state_metadata.py`)."""
+    refused = ["scheduled_spec_decode_tokens", "scheduled_encoder_inputs",
+               "kv_cache_block_copies"]
+    # vLLM zeroes new attention blocks of a hybrid model because its pages alias the state
+    # blocks'; here states live apart (docs/hybrid.md), so K/V arrays only ever hold K/V
+    if limits.hybrid is None:
+        refused.append("new_block_ids_to_zero")
+    for field_name in refused:
         if getattr(so, field_name, None):
             raise ValueError(f"{field_name}: not supported by this runner (speculative "
                              "decoding, multimodal inputs and KV block copies are refused "
@@ -132,7 +150,8 @@ def plan_step(live: Mapping[str, RequestState], so: SchedulerOutput, limits: Lim
     requests = {r: s for r, s in live.items() if r not in so.finished_req_ids}
     for req_id in so.preempted_req_ids or ():  # vLLM freed their blocks
         if req_id in requests:
-            requests[req_id] = dataclasses.replace(requests[req_id], block_ids=())
+            requests[req_id] = dataclasses.replace(requests[req_id], block_ids=(),
+                                                   state_rows=())
     computed: dict[str, int] = {}  # the scheduler's count, per request of this step
     for new in so.scheduled_new_reqs:
         if new.req_id in requests:
@@ -176,6 +195,9 @@ def plan_step(live: Mapping[str, RequestState], so: SchedulerOutput, limits: Lim
     if not req_ids:
         return StepPlan(requests, req_ids, None)
     meta = _metadata(requests, req_ids, computed, so, limits)
+    if limits.hybrid is not None:
+        meta = dataclasses.replace(meta, states=step_states(
+            requests, req_ids, computed, so.num_scheduled_tokens, limits.hybrid, ledger or {}))
     _check_block_owners(requests, meta)
     if len(meta.sample_req_ids) > limits.max_sampling_rows:
         raise ValueError(f"num_scheduled_tokens: {len(meta.sample_req_ids)} requests sample "

@@ -23,7 +23,8 @@ from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCache
 from vllm.v1.outputs import ModelRunnerOutput
 from vllm.v1.worker.worker_base import CompilationTimes, WorkerBase
 
-from .. import cpu_blas, precision
+from .. import cpu_blas, hybrid, precision
+from ..architectures import architecture
 from ..dispatch import Dispatcher
 from ..model_loader import load_model
 from ..vllm_runner import TORCH_TO_MLX, VllmModelRunner
@@ -99,7 +100,25 @@ class MLXWorker(WorkerBase):
 
     def get_kv_cache_spec(self) -> dict[str, KVCacheSpec]:
         spec = self._spec()
+        hybrid_specs = self._hybrid_specs()
+        if hybrid_specs is not None:
+            return hybrid_specs
         return {f"model.layers.{i}.self_attn.attn": spec for i in range(len(self.runner.model.layers))}
+
+    def _hybrid_specs(self) -> dict[str, KVCacheSpec] | None:
+        """A hybrid model's layers: attention pages, and a MambaSpec per recurrent layer in the
+        block sizes the platform set (`hybrid.align_cache`); None for other models."""
+        model = self.runner.model
+        arch = architecture(model.args.model_type)
+        recurrent = arch.recurrent(model)
+        if not any(recurrent):
+            return None
+        first = next(r for r in recurrent if r is not None)
+        cache = self.cache_config
+        return hybrid.layer_specs(
+            arch.attention(model), recurrent, self._spec(),
+            hybrid.state_dtypes(first, self.model_config.dtype, cache), cache.mamba_block_size,
+            cache.mamba_page_size_padded, cache.mamba_cache_mode)
 
     def get_supported_kv_cache_layouts(self) -> list[str]:
         # Per layer [num_blocks, block_size, num_kv_heads, head_dim], vllm-metal's layout.
@@ -109,7 +128,19 @@ class MLXWorker(WorkerBase):
         return self._spec().page_size_bytes * len(self.runner.model.layers)
 
     def determine_available_memory(self) -> int:
-        """Bytes for the KV cache: --kv-cache-memory-bytes, else a measured budget."""
+        """Bytes for the KV cache: --kv-cache-memory-bytes, else a measured budget; for a
+        hybrid model scaled to the bytes its block count may be sized from
+        (`hybrid.budget_scale`)."""
+        budget = self._budget()
+        specs = self._hybrid_specs()
+        if specs is None:
+            return budget
+        scale, why = hybrid.budget_scale(self.vllm_config, specs)
+        logger.info("paged_prefix worker: hybrid model, %s: vLLM sizes its pool from %.0f of "
+                    "the %.0f MiB", why, budget * scale / MiB, budget / MiB)
+        return int(budget * scale)
+
+    def _budget(self) -> int:
         if self.cache_config.kv_cache_memory_bytes:
             logger.info("paged_prefix worker: KV cache budget %.0f MiB (--kv-cache-memory-bytes)",
                         self.cache_config.kv_cache_memory_bytes / MiB)
