@@ -9,7 +9,7 @@ worker never builds vLLM's torch models (the model is mlx-lm's), so the plugin r
 the same name, a class that declares the interfaces vLLM's declares and builds nothing. vLLM
 reads the state shapes and dtypes from it by the formulas of its own layers
 (`MambaStateShapeCalculator`, `MambaStateDtypeCalculator`); the worker's specs come from the
-loaded mlx-lm model and agree with them (tests/test_hybrid_serving.py).
+loaded mlx-lm model and agree with them (tests/test_hybrid_boundary.py).
 """
 
 from __future__ import annotations
