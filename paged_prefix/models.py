@@ -127,6 +127,17 @@ BUILTIN_CONFIGS: dict[str, dict] = {
         moe_intermediate_size=64, shared_expert_intermediate_size=128, norm_topk_prob=True,
         rms_norm_eps=1e-6, rope_theta=10000.0, max_position_embeddings=4096, vocab_size=512,
         tie_word_embeddings=False),
+    # CPU-sized for serving benchmarks (~90M parameters with a 49k vocabulary): 6 gated delta
+    # net layers, 2 gated attention, 8 experts
+    "qwen3-next-small": dict(
+        model_type="qwen3_next", hidden_size=512, num_hidden_layers=8, intermediate_size=1024,
+        num_attention_heads=8, num_key_value_heads=2, head_dim=64, partial_rotary_factor=0.25,
+        linear_num_value_heads=8, linear_num_key_heads=4, linear_key_head_dim=64,
+        linear_value_head_dim=64, linear_conv_kernel_dim=4, full_attention_interval=4,
+        num_experts=8, num_experts_per_tok=2, decoder_sparse_step=1, mlp_only_layers=[],
+        moe_intermediate_size=256, shared_expert_intermediate_size=512, norm_topk_prob=True,
+        rms_norm_eps=1e-6, rope_theta=10000.0, max_position_embeddings=4096, vocab_size=512,
+        tie_word_embeddings=False),
     # Short conv at layers 0, 1 and 3, attention at 2 (LFM2's conv-conv-attention rhythm);
     # embeddings tied as in every LFM2. conv_dim is what vLLM sizes the conv state by.
     "lfm2-test": dict(
