@@ -11,7 +11,7 @@ itself). The driver (`serving_hybrid_driver.py`) records each setting's step sha
 setting that never preempted, never chunked inside a block or never mixed decode rows with a
 prefill fails here rather than passing untested.
 
-Its own nox session (`nox -s serving-hybrid`): ~2 min here.
+Its own nox session (`nox -s serving-hybrid`): ~2 min on 2 CPU cores.
 """
 
 from __future__ import annotations
