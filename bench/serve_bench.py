@@ -33,6 +33,7 @@ from paged_prefix.convert_smollm2 import models_root, smollm2_folder
 from paged_prefix.models import write_folder
 
 SETTINGS = {"off": "--no-enable-prefix-caching", "on": "--enable-prefix-caching"}
+CPU_SIZED = ("qwen3-next-small",)
 DEFAULT_CONCURRENCY = 8
 
 
@@ -220,9 +221,14 @@ def workload_text(args: argparse.Namespace) -> str:
 def resolve_model(args: argparse.Namespace) -> str:
     if not args.random_weights:
         return args.model or str(smollm2_folder())
+    import mlx.core as mx  # after paged_prefix (cpu_blas binds MLX's BLAS at its import)
+
     tokenizer = args.tokenizer or smollm2_folder()
+    # the CPU-sized model in float32: MLX's CPU backend runs experts (gather_mm) in float32 only
+    dtype = mx.float32 if args.random_weights in CPU_SIZED else mx.bfloat16
+    name = str(dtype).rsplit(".", 1)[-1].replace("bfloat", "bf").replace("float", "f")
     return str(write_folder(args.random_weights, models_root() / (
-        f"{args.random_weights}-random-bf16-{tokenizer.name}-tokenizer"), tokenizer))
+        f"{args.random_weights}-random-{name}-{tokenizer.name}-tokenizer"), tokenizer, dtype))
 
 
 def main(argv=None) -> int:

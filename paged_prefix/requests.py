@@ -21,7 +21,7 @@ import torch
 from vllm.sampling_params import SamplingParams
 from vllm.v1.core.sched.output import CachedRequestData, NewRequestData, SchedulerOutput
 
-from .hybrid import HybridLimits, rows_of, step_states
+from .hybrid_groups import HybridLimits, rows_of, step_states
 from .metadata import BatchMetadata, ScheduledRequest, build_batch_metadata
 from .validate import as_ints
 from .vllm_sampling import make_generator, token_id_options, unsupported_reason
@@ -36,7 +36,7 @@ class RequestState:
     generator: torch.Generator | None  # seeded requests only; survives preemption
     num_computed: int  # tokens whose K/V are in the cache (this runner's, or the scheduler's hit)
     # a hybrid model's state rows, per state group in vLLM's block ids (block_ids then holds
-    # its attention row in kernel block ids: `hybrid.rows_of`)
+    # its attention row in kernel block ids: `hybrid_groups.rows_of`)
     state_rows: tuple[tuple[int, ...], ...] = ()
 
     @property
@@ -52,7 +52,7 @@ class Limits:
     block_size: int
     num_blocks: int
     max_sampling_rows: int  # the sampler's rows: max_num_seqs
-    hybrid: HybridLimits | None = None  # a hybrid model's groups (`hybrid.py`)
+    hybrid: HybridLimits | None = None  # a hybrid model's groups (`hybrid_groups.py`)
 
 
 @dataclass(frozen=True)
@@ -66,7 +66,7 @@ class StepPlan:
 
 def block_ids(groups, req_id: str, limits: Limits) -> tuple[tuple[int, ...], tuple]:
     """(attention block ids, state rows): the one KV-cache group's ids, each a block of the
-    pool; for a hybrid model its attention and state groups' (`hybrid.rows_of`)."""
+    pool; for a hybrid model its attention and state groups' (`hybrid_groups.rows_of`)."""
     if limits.hybrid is not None:
         attention, states = rows_of(groups, req_id, limits.hybrid)
         return tuple(attention), states

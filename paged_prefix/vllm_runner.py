@@ -41,7 +41,7 @@ from vllm.v1.outputs import EMPTY_MODEL_RUNNER_OUTPUT, LogprobsTensors, ModelRun
 from . import prompt_logprobs, warmup
 from .architectures import architecture
 from .dispatch import Dispatcher
-from .hybrid import CacheGroups, HybridLimits, kernel_block_size
+from .hybrid_groups import CacheGroups, HybridLimits, kernel_block_size
 from .kv_cache import PagedKVCache
 from .metadata import BatchMetadata
 from .requests import Limits, RequestState, StepPlan, plan_step, with_sampled

@@ -14,7 +14,7 @@ from vllm.model_executor.layers.mamba.mamba_utils import MambaStateShapeCalculat
 from vllm.v1.core.kv_cache_utils import get_kv_cache_config_from_groups, get_kv_cache_groups
 from vllm.v1.kv_cache_interface import FullAttentionSpec, MambaSpec
 
-from paged_prefix import hybrid
+from paged_prefix import hybrid_config, hybrid_groups
 from paged_prefix.architectures import architecture
 from paged_prefix.models import BUILTIN_CONFIGS, build_model, hf_config
 from paged_prefix.requests import Limits, plan_step
@@ -70,8 +70,8 @@ def test_layer_specs_are_vllms_state_shapes(tmp_path, name):
     cache = config.cache_config
     attention = FullAttentionSpec(block_size=cache.block_size, num_kv_heads=2, head_size=64,
                                   dtype=torch.float32)
-    dtypes = hybrid.state_dtypes(next(r for r in recurrent if r), torch.float32, cache)
-    specs = hybrid.layer_specs(arch.attention(model), recurrent, attention, dtypes,
+    dtypes = hybrid_config.state_dtypes(next(r for r in recurrent if r), torch.float32, cache)
+    specs = hybrid_config.layer_specs(arch.attention(model), recurrent, attention, dtypes,
                                cache.mamba_block_size, cache.mamba_page_size_padded, "align")
     states = [s for s in specs.values() if isinstance(s, MambaSpec)]
     cfg = BUILTIN_CONFIGS[name]
@@ -91,17 +91,17 @@ def test_layer_specs_are_vllms_state_shapes(tmp_path, name):
     groups = get_kv_cache_groups(config, specs)
     assert sorted(type(g.kv_cache_spec).__name__ for g in groups) == \
         ["FullAttentionSpec"] + ["MambaSpec"] * 3
-    scale, _ = hybrid.budget_scale(config, specs)
+    scale, _ = hybrid_config.budget_scale(config, specs)
     own = attention.page_size_bytes + sum(s.real_page_size_bytes for s in states)
     assert scale == pytest.approx(EXPECTED[name][1] / own)
 
 
 def test_kernel_blocks_are_a_view_of_vllms():
-    assert hybrid.kernel_block_size(32) == 16 and hybrid.kernel_block_size(544) == 16
-    assert hybrid.kernel_block_size(24) == 8
-    assert hybrid.kernel_block_ids([3, 0, 5], 2) == [6, 7, 0, 1, 10, 11]
+    assert hybrid_groups.kernel_block_size(32) == 16 and hybrid_groups.kernel_block_size(544) == 16
+    assert hybrid_groups.kernel_block_size(24) == 8
+    assert hybrid_groups.kernel_block_ids([3, 0, 5], 2) == [6, 7, 0, 1, 10, 11]
     with pytest.raises(ValueError, match="^block_size"):
-        hybrid.kernel_block_size(12)
+        hybrid_groups.kernel_block_size(12)
 
 
 class Step:
@@ -115,13 +115,13 @@ class Step:
         cache = config.cache_config
         attention = FullAttentionSpec(block_size=32, num_kv_heads=2, head_size=64,
                                       dtype=torch.float32)
-        specs = hybrid.layer_specs(arch.attention(model), self.recurrent, attention,
+        specs = hybrid_config.layer_specs(arch.attention(model), self.recurrent, attention,
                                    (torch.float32, torch.float32), 32,
                                    cache.mamba_page_size_padded, "align")
         groups = get_kv_cache_groups(config, specs)
         self.kv_config = get_kv_cache_config_from_groups(config, groups, 40 * 32 * 1024)
-        self.groups = hybrid.CacheGroups.of(self.kv_config, self.recurrent, TORCH_TO_MLX)
-        self.limits = Limits(512, 16, 2 * self.kv_config.num_blocks, 4, hybrid.HybridLimits(
+        self.groups = hybrid_groups.CacheGroups.of(self.kv_config, self.recurrent, TORCH_TO_MLX)
+        self.limits = Limits(512, 16, 2 * self.kv_config.num_blocks, 4, hybrid_groups.HybridLimits(
             self.groups, self.kv_config.num_blocks, 2, 4))
         self.ledger = {}
 
@@ -218,4 +218,4 @@ def test_the_state_groups_of_a_config_must_be_the_models(tmp_path):
                     mamba_cache_mode="align")
     config.kv_cache_groups[g].kv_cache_spec = bad
     with pytest.raises(ValueError, match=f"^kv_cache_config: state group {g}'s shapes"):
-        hybrid.CacheGroups.of(config, s.recurrent, TORCH_TO_MLX)
+        hybrid_groups.CacheGroups.of(config, s.recurrent, TORCH_TO_MLX)

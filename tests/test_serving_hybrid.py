@@ -16,47 +16,24 @@ Its own nox session (`nox -s serving-hybrid`): ~2 min on 2 CPU cores.
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import mlx.core as mx
 import pytest
 from mlx_lm.generate import generate_step
 
-from bench.vllm_server import child_env
 from paged_prefix.model_loader import load_model, read_config
-from paged_prefix.models import write_folder
 
 from .mlx_lm_oracle import MlxLmOracle
 from .serving_hybrid_driver import GREEDY_TOKENS, SETTINGS, TIGHT_TOKENS
-from .serving_support import require_serving
+from .serving_support import driver_fixtures
 
 DRIVER = Path(__file__).with_name("serving_hybrid_driver.py")
-ROOT = Path(__file__).resolve().parents[1]
 MODELS = ("qwen3-next-test", "lfm2-test")
 
 
-@pytest.fixture(scope="module")
-def folders(tmp_path_factory) -> dict[str, Path]:
-    require_serving()
-    root = tmp_path_factory.mktemp("hybrid")
-    return {name: write_folder(name, root / name, None, mx.float32, seed=0) for name in MODELS}
-
-
-@pytest.fixture(scope="module")
-def runs(folders) -> dict:
-    """{model: {setting: {"passes": [...], "steps": {...}, "cache": {...}}}}, by model name."""
-    env = {**child_env(), "PYTHONPATH": os.pathsep.join(
-        [str(ROOT), *filter(None, [os.environ.get("PYTHONPATH")])])}
-    proc = subprocess.run([sys.executable, str(DRIVER), *map(str, folders.values())], env=env,
-                          capture_output=True, text=True, timeout=1800)
-    lines = [line for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
-    assert proc.returncode == 0 and lines, f"driver failed ({proc.returncode}):\n{proc.stderr[-4000:]}"
-    by_folder = json.loads(lines[-1][len("RESULT "):])
-    return {name: by_folder[str(folder)] for name, folder in folders.items()}
+# runs: {model: {setting: {"passes": [...], "steps": {...}, "cache": {...}}}}, by model name
+folders, runs = driver_fixtures("hybrid", MODELS, DRIVER)
 
 
 @pytest.fixture(scope="module")

@@ -26,7 +26,7 @@ import mlx.nn as nn
 import psutil
 
 from ..dispatch import Dispatcher
-from ..hybrid import fresh_states, profile_state_cache
+from ..hybrid_config import fresh_states, profile_state_cache
 from ..kv_cache import PagedKVCache
 from ..metadata import ScheduledRequest, build_batch_metadata
 from ..runner import PagedModelRunner

@@ -141,7 +141,7 @@ class MLXPlatform(Platform):
     def check_and_update_config(cls, vllm_config: VllmConfig) -> None:
         from vllm.config import CompilationMode, CUDAGraphMode
 
-        from .. import hybrid
+        from .. import hybrid_config
         from ..model_loader import read_config
         from . import mirror_vllm_logging
 
@@ -179,7 +179,7 @@ class MLXPlatform(Platform):
             model.disable_cascade_attn = True
             if model.is_hybrid:
                 logger.info("paged_prefix platform: %s",
-                            hybrid.align_cache(vllm_config, read_config(model.model)))
+                            hybrid_config.align_cache(vllm_config, read_config(model.model)))
         comp = vllm_config.compilation_config
         comp.mode = CompilationMode.NONE
         comp.cudagraph_mode = CUDAGraphMode.NONE
