@@ -84,6 +84,25 @@ def _release_last_step() -> None:
     mx.synchronize()
 
 
+def _wait_for_device(hidden: mx.array, written: list[mx.array]) -> None:
+    """Run everything built so far and wait until MLX lets go of it: a layer whose arrays an
+    earlier layer of the forward wrote (KV-cache groups sharing memory, `kv_layout.py`) would
+    otherwise write while that layer's attention may still hold them, and MLX copies an array
+    a pending op holds (six writes into one array, each read back: each write copied it)."""
+    mx.async_eval(hidden, written)
+    mx.synchronize()
+
+
+def _check_group_windows(kv_cache: PagedKVCache, windows: list[int | None]) -> None:
+    """A windowed KV-cache group keeps only the blocks its window sees: its layers must attend
+    with that window (a full group keeps every block, for any layer)."""
+    for i, window in enumerate(windows):
+        kept = kv_cache.windows[kv_cache.layout.group_of[i]]
+        if kept is not None and window != kept:
+            raise ValueError(f"kv_cache: layer {i} attends with window {window}, but its "
+                             f"KV-cache group keeps the blocks of a window of {kept}")
+
+
 def _lm_head(model: nn.Module, hidden: mx.array) -> mx.array:
     if model.args.tie_word_embeddings:
         return model.model.embed_tokens.as_linear(hidden)
@@ -109,6 +128,7 @@ class PagedModelRunner:
         self.dispatcher = dispatcher or Dispatcher()
         self.geometry = Geometry(attn.n_heads, attn.n_kv_heads, head_dim, kv_cache.block_size,
                                  kv_cache.dtype, float(attn.scale))
+        _check_group_windows(kv_cache, [self.geometry.window] * num_layers)
         self.vocab_size = model.args.vocab_size
         self.pipeline = pipeline  # None: on a GPU, for forwards of PIPELINE_MIN_TOKENS or more
         self.stats = RunnerStats()
@@ -118,7 +138,11 @@ class PagedModelRunner:
         if not isinstance(meta, BatchMetadata):
             raise ValueError(f"meta: expected build_batch_metadata's BatchMetadata, got "
                              f"{type(meta).__name__}")
-        attn = meta.attn
+        windows = tuple(g.attn.window for g in meta.groups)
+        if windows != self.kv_cache.windows:
+            raise ValueError(f"windows: metadata built for KV-cache groups of windows "
+                             f"{windows}, the cache's are {self.kv_cache.windows}")
+        attn = meta.groups[0].attn  # the groups share their block size and pool
         if attn.block_size != self.kv_cache.block_size:
             raise ValueError(f"block_size: metadata built for {attn.block_size}, the cache has "
                              f"{self.kv_cache.block_size}")
@@ -130,22 +154,25 @@ class PagedModelRunner:
             raise ValueError(f"token_ids: {low if low < 0 else high} is outside the model's "
                              f"vocabulary of {self.vocab_size}")
 
-    def _slots(self, meta: BatchMetadata) -> Slots:
-        """The batch's slots checked against the cache; a batch run again (the same frozen
-        metadata, as a benchmark repeats one step) reuses them, as the dispatcher its plan."""
+    def _slots(self, meta: BatchMetadata) -> tuple[Slots, ...]:
+        """Each KV-cache group's slots checked against the cache; a batch run again (the same
+        frozen metadata, as a benchmark repeats one step) reuses them, as the dispatcher its
+        plan."""
         key = (meta, self.kv_cache)
         if self._last_slots is None or self._last_slots[0] != key:
-            self._last_slots = key, self.kv_cache.slots(meta.slot_mapping_host,
-                                                        meta.slot_mapping)
+            self._last_slots = key, tuple(self.kv_cache.slots(g.slot_mapping_host, g.slot_mapping)
+                                          for g in meta.groups)
         return self._last_slots[1]
 
     def forward(self, meta: BatchMetadata) -> mx.array:
         """Logits [len(meta.sample_req_ids), vocab] (float32), lazily; the caller evaluates
         them together with `kv_cache.arrays()`."""
         self._check(meta)
-        slots = self._slots(meta)
-        attention = self.dispatcher.plan(meta.attn, self.geometry)
-        ctx = ForwardContext(meta, self.kv_cache, slots, attention)
+        # per KV-cache group: its slots and its tables' plan
+        contexts = [ForwardContext(meta, self.kv_cache, slots,
+                                   self.dispatcher.plan(group.attn, self.geometry))
+                    for group, slots in zip(meta.groups, self._slots(meta))]
+        layout = self.kv_cache.layout
         # mlx-lm's model loop, with no mask (causality comes from the metadata)
         inner = self.model.model
         pipeline = self.pipeline
@@ -157,7 +184,13 @@ class PagedModelRunner:
         try:
             hidden = inner.embed_tokens(meta.input_ids)  # [T, hidden]: packed rows
             for i, layer in enumerate(inner.layers):
-                hidden = layer(hidden, None, ctx)
+                if i in layout.wait_before:  # its arrays hold an earlier layer's writes
+                    snapshot = None
+                    if unsent == 0:
+                        _release_last_step()
+                    _wait_for_device(hidden, self.kv_cache.arrays(range(unsent, i)))
+                    unsent = i
+                hidden = layer(hidden, None, contexts[layout.group_of[i]])
                 if pipeline and _sends_after(i):
                     # while the snapshot shares the arrays, an evaluated write would copy them
                     snapshot = None
