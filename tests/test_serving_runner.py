@@ -17,9 +17,9 @@ import pytest
 import torch
 from vllm.config import SchedulerConfig, VllmConfig
 from vllm.v1.core.sched.output import NewRequestData
-from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec
 
 from paged_prefix.engine import Engine, EngineConfig
+from paged_prefix.kv_groups import kv_cache_config, layer_specs
 from paged_prefix.models import build_model, resolve_config
 from paged_prefix.vllm_runner import VllmModelRunner
 from tests.scheduler_outputs import cached, new, step
@@ -31,11 +31,9 @@ VOCAB = CONFIG["vocab_size"]
 
 def make_runner(vllm_config: VllmConfig | None = None) -> VllmModelRunner:
     runner = VllmModelRunner(build_model(CONFIG, mx.float32, seed=0), vllm_config=vllm_config)
-    layers = [f"model.layers.{i}.self_attn.attn" for i in range(CONFIG["num_hidden_layers"])]
-    spec = FullAttentionSpec(block_size=BS, num_kv_heads=CONFIG["num_key_value_heads"],
-                             head_size=CONFIG["head_dim"], dtype=torch.float32)
-    runner.initialize_kv_cache(KVCacheConfig(num_blocks=NUM_BLOCKS, kv_cache_tensors=[],
-                                             kv_cache_groups=[KVCacheGroupSpec(layers, spec)]))
+    specs = layer_specs(runner.layer_windows(), BS, CONFIG["num_key_value_heads"],
+                        CONFIG["head_dim"], torch.float32)
+    runner.initialize_kv_cache(kv_cache_config(vllm_config or VllmConfig(), specs, NUM_BLOCKS))
     return runner
 
 
@@ -180,7 +178,7 @@ def test_writes_stay_inside_the_scheduled_rows_under_the_real_scheduler():
         computed.update((n.req_id, n.num_computed_tokens) for n in so.scheduled_new_reqs)
         allowed = np.zeros(len(before[0]), dtype=bool)
         for req_id, count in so.num_scheduled_tokens.items():
-            blocks = np.array(runner.requests[req_id].block_ids)
+            blocks = np.array(runner.requests[req_id].block_ids[0])
             pos = np.arange(computed[req_id], computed[req_id] + count)
             allowed[blocks[pos // BS] * BS + pos % BS] = True
         for layer_before, layer_after in zip(before, runner.runner.kv_cache.arrays()):
