@@ -66,13 +66,13 @@ class RequestResult:
         return self.first_token_time - self.arrival
 
 
-def _blocks_held(spec, total: int, c: EngineConfig) -> int:
-    """The most blocks a request of `total` tokens holds at once in a group of `spec`."""
-    blocks = -(-total // c.block_size)
+def _blocks_held(spec, total: int, block_size: int, in_flight: int) -> int:
+    """The most blocks vLLM holds (and admits on) for a request of `total` tokens in a group
+    of `spec`: a sliding window's recycle."""
+    blocks = -(-total // block_size)
     if isinstance(spec, FullAttentionSpec):
         return blocks
-    return min(blocks, spec.max_admission_blocks_per_request(c.max_num_batched_tokens,
-                                                             c.max_model_len))
+    return min(blocks, spec.max_admission_blocks_per_request(in_flight, total))
 
 
 class Engine:
@@ -109,6 +109,7 @@ class Engine:
             block_size=config.block_size, log_stats=True)
         self.runner.initialize_kv_cache(kv_config)
         self._group_specs = [g.kv_cache_spec for g in kv_config.kv_cache_groups]
+        self._in_flight = vllm_config.max_in_flight_tokens
         init_none_hash(sha256)
         self._hasher = get_request_block_hasher(config.block_size, sha256)
         self.results: dict[str, RequestResult] = {}
@@ -129,7 +130,8 @@ class Engine:
             raise ValueError(f"max_model_len: {len(ids)} prompt + {max_tokens} output tokens "
                              f"exceed {c.max_model_len}")
         usable = c.num_blocks - 1  # vLLM keeps block 0 as its null block
-        needed = sum(_blocks_held(spec, total, c) for spec in self._group_specs)
+        needed = sum(_blocks_held(spec, total, c.block_size, self._in_flight)
+                     for spec in self._group_specs)
         if needed > usable:
             raise ValueError(f"num_blocks: {total} tokens need {needed} blocks of {c.block_size}"
                              f" over {len(self._group_specs)} KV-cache groups, the pool has "
