@@ -1,5 +1,6 @@
 """paged_prefix: suffix-only paged prefill for vLLM on MLX (see README.md, docs/design.md)."""
 
-from . import cpu_blas
+from . import cpu_blas, precision
 
-cpu_blas.load()  # before any module here imports mlx.core: cpu_blas.py says why
+precision.keep_float32()  # before any module here imports mlx.core: precision.py says why
+cpu_blas.load()  # the same: cpu_blas.py says why

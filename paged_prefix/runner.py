@@ -3,10 +3,11 @@
 `PagedModelRunner.forward(meta)` runs its own copy of an mlx-lm model (`paged_model.py`: the
 same weight arrays, the caller's model left as it was) whose attention reads and writes the
 paged KV cache, computing only the scheduled tokens, and returns the logits of the rows that
-sample. Every check runs before the first cache write, and a forward that raises
-while its graph is built leaves the cache as it was, unless it raises after pipelined
-evaluation began (an error inside the model's own code past layer 0): then the layers already
-evaluated have written their rows, into this forward's own slots and no others.
+sample (and of the prompt rows a request wants prompt logprobs for). Every check runs before
+the first cache write, and a forward that raises while its graph is built leaves the cache as
+it was, unless it raises after pipelined evaluation began (an error inside the model's own
+code past layer 0): then the layers already evaluated have written their rows, into this
+forward's own slots and no others.
 
 Pipelining (by default on a GPU, for forwards of at least PIPELINE_MIN_TOKENS new tokens): the
 graph is sent to the device (`mx.async_eval`) after layers 0, 1, 3, 7, ..., so the host builds
@@ -23,7 +24,9 @@ from dataclasses import dataclass
 
 import mlx.core as mx
 import mlx.nn as nn
+import numpy as np
 
+from jit_kernels.arrays import device_array
 from jit_kernels.geometry import Geometry
 
 from .attention import ForwardContext, PagedAttention
@@ -31,6 +34,7 @@ from .dispatch import Dispatcher
 from .kv_cache import PagedKVCache, Slots
 from .metadata import BatchMetadata
 from .paged_model import paged_model
+from .validate import as_ints
 
 # mlx-lm model types whose attention PagedAttention takes over (mistral runs mlx-lm's llama).
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
@@ -103,6 +107,13 @@ def _check_group_windows(kv_cache: PagedKVCache, windows: list[int | None]) -> N
                              f"KV-cache group keeps the blocks of a window of {kept}")
 
 
+def _checked_rows(rows: np.ndarray | None, num_tokens: int) -> np.ndarray:
+    """Prompt-logprob rows as int32 packed-row indices, each one of the forward's rows."""
+    if rows is None:
+        return np.zeros(0, dtype=np.int32)
+    return as_ints(rows, "prompt_rows", low=0, high=num_tokens - 1).astype(np.int32)
+
+
 def _lm_head(model: nn.Module, hidden: mx.array) -> mx.array:
     if model.args.tie_word_embeddings:
         return model.model.embed_tokens.as_linear(hidden)
@@ -164,10 +175,12 @@ class PagedModelRunner:
                                           for g in meta.groups)
         return self._last_slots[1]
 
-    def forward(self, meta: BatchMetadata) -> mx.array:
-        """Logits [len(meta.sample_req_ids), vocab] (float32), lazily; the caller evaluates
-        them together with `kv_cache.arrays()`."""
+    def forward(self, meta: BatchMetadata, prompt_rows: np.ndarray | None = None) -> mx.array:
+        """Logits (float32), lazily: one row per request that samples (`meta.sample_req_ids`
+        order), then one per packed row listed in `prompt_rows` (rows whose prompt logprobs
+        a request asked for); the caller evaluates them together with `kv_cache.arrays()`."""
         self._check(meta)
+        prompt_rows = _checked_rows(prompt_rows, meta.num_tokens)
         # per KV-cache group: its slots and its tables' plan
         contexts = [ForwardContext(meta, self.kv_cache, slots,
                                    self.dispatcher.plan(group.attn, self.geometry))
@@ -212,11 +225,19 @@ class PagedModelRunner:
             _release_last_step()
         self.stats.forwards += 1
         self.stats.tokens_computed += meta.num_tokens
-        if not meta.sample_req_ids:  # a mid-prompt chunk: only its K/V writes matter
+        if not meta.sample_req_ids and not len(prompt_rows):
+            # a mid-prompt chunk: only its K/V writes matter
             return mx.zeros((0, self.vocab_size), dtype=mx.float32)
-        # Only rows that sample pay for the final norm (row-wise) and the vocabulary projection.
-        sampled = mx.take(hidden, meta.logits_indices, axis=0)
-        return _lm_head(self.model, inner.norm(sampled)).astype(mx.float32)
+        # Only rows that sample, or that a request's prompt logprobs need, pay for the final
+        # norm (row-wise) and the vocabulary projection; each set in a projection of its own,
+        # so the sampling rows' logits are the same bits whether or not prompt rows ride
+        # along (a matmul's rounding may follow its row count: gemv for one row).
+        picked = [meta.logits_indices] if meta.sample_req_ids else []
+        if len(prompt_rows):
+            picked.append(device_array(prompt_rows))
+        logits = [_lm_head(self.model, inner.norm(mx.take(hidden, rows, axis=0)))
+                  for rows in picked]
+        return (logits[0] if len(logits) == 1 else mx.concatenate(logits)).astype(mx.float32)
 
     def greedy(self, meta: BatchMetadata) -> list[int]:
         """Greedy next token per sampling row; the one host sync of a step."""

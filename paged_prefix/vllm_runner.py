@@ -9,7 +9,9 @@
 
 `run_forward` + `sample_tokens` is the split vLLM's workers use (vllm-metal's runner too):
 it serves both synchronous and asynchronous scheduling. Sampling is vLLM's own Sampler
-(`vllm_sampling.py`), so temperature 0 gives exactly the argmax of the logits.
+(`vllm_sampling.py`), so temperature 0 gives exactly the argmax of the logits. A request that
+asks for prompt logprobs has its prompt rows scored right after each forward of its prompt
+(`prompt_logprobs.py`); they go out whole with the step that computes its last prompt token.
 
 The scheduler owns prefix caching: it hashes blocks, finds hits and hands each request
 `num_computed_tokens` with the hit blocks first in `block_ids`. This runner keeps only what
@@ -30,13 +32,14 @@ import time
 
 import mlx.core as mx
 import mlx.nn as nn
+import numpy as np
 import torch
 from vllm.config import VllmConfig
 from vllm.v1.core.sched.output import GrammarOutput, SchedulerOutput
 from vllm.v1.kv_cache_interface import KVCacheConfig
-from vllm.v1.outputs import EMPTY_MODEL_RUNNER_OUTPUT, ModelRunnerOutput
+from vllm.v1.outputs import EMPTY_MODEL_RUNNER_OUTPUT, LogprobsTensors, ModelRunnerOutput
 
-from . import warmup
+from . import prompt_logprobs, warmup
 from .dispatch import Dispatcher
 from .kv_cache import PagedKVCache
 from .kv_groups import cache_layout
@@ -60,7 +63,9 @@ class VllmModelRunner:
         self.runner: PagedModelRunner | None = None
         self.requests: dict[str, RequestState] = {}
         self._limits: Limits | None = None
-        self._pending: tuple[StepPlan, mx.array] | None = None
+        self.prompt_logprobs: dict[str, prompt_logprobs.PromptLogprobs] = {}
+        # a forward's plan, its sampling rows' logits and the prompt logprobs it completed
+        self._pending: tuple[StepPlan, mx.array, dict[str, LogprobsTensors]] | None = None
         self._last_step_end: float | None = None  # for the debug log's time between steps
 
     def layer_windows(self) -> tuple[int | None, ...]:
@@ -123,25 +128,47 @@ class VllmModelRunner:
         if self._pending is not None:
             raise ValueError("sample_tokens: the previous forward's tokens were never sampled")
         plan = plan_step(self.requests, scheduler_output, self._limits)
+        scoring = prompt_logprobs.live(self.prompt_logprobs, plan.requests,
+                                       scheduler_output.scheduled_new_reqs, self.vocab_size)
         if plan.meta is None:
-            self.requests = plan.requests
+            self.requests, self.prompt_logprobs = plan.requests, scoring
             return EMPTY_MODEL_RUNNER_OUTPUT
+        step = prompt_logprobs.plan(scoring, plan.meta, {r: plan.requests[r].prompt_token_ids
+                                                         for r in scoring})
         start = time.perf_counter()
-        logits = runner.forward(plan.meta)
+        logits = runner.forward(plan.meta, step.rows)
         built = time.perf_counter()
         mx.eval(logits, runner.kv_cache.arrays())  # the forward's one host sync
         if logger.isEnabledFor(logging.DEBUG):
             self._log_forward(plan.meta, start, built)
-        self.requests = plan.requests
-        self._pending = (plan, logits)
+        sampling = len(plan.meta.sample_req_ids)
+        scoring, done = self._score_prompts(step, logits[sampling:], scoring)
+        self.requests, self.prompt_logprobs = plan.requests, scoring
+        self._pending = (plan, logits[:sampling], done)
         return None
+
+    def _score_prompts(self, step: prompt_logprobs.PromptLogprobsStep, logits: mx.array,
+                       scoring: dict[str, prompt_logprobs.PromptLogprobs],
+                       ) -> tuple[dict[str, prompt_logprobs.PromptLogprobs],
+                                  dict[str, LogprobsTensors]]:
+        """The step's prompt rows scored by vLLM's code (`BatchSampler.prompt_logprobs`), and
+        the rows of the requests whose prompts it completes."""
+        if not step.chunks:
+            return scoring, {}
+        start = time.perf_counter()
+        scoring, done = prompt_logprobs.scored(step, np.array(logits), scoring,
+                                               self.sampler.prompt_logprobs)
+        logger.debug("step: prompt logprobs of %d rows for %d requests (%d complete) in "
+                     "%.1f ms", len(step.rows), len(step.chunks), len(done),
+                     1e3 * (time.perf_counter() - start))
+        return scoring, done
 
     def sample_tokens(self, grammar_output: GrammarOutput | None) -> ModelRunnerOutput:
         """Sample the pending forward's rows with vLLM's Sampler, constrained by the
         structured-output requests' grammar bitmask when there is one; append the tokens."""
         if self._pending is None:
             raise ValueError("sample_tokens: no forward is pending (run_forward first)")
-        (plan, logits), self._pending = self._pending, None
+        (plan, logits, prompt_done), self._pending = self._pending, None
         sample_ids = plan.meta.sample_req_ids
         sampled: dict[str, int] = {}
         logprobs = None
@@ -162,6 +189,7 @@ class VllmModelRunner:
             req_id_to_index={r: i for i, r in enumerate(plan.req_ids)},
             sampled_token_ids=[[sampled[r]] if r in sampled else [] for r in plan.req_ids],
             logprobs=logprobs,
+            prompt_logprobs_dict=prompt_done,
         )
 
     def _log_forward(self, meta: BatchMetadata, start: float, built: float) -> None:

@@ -5,10 +5,11 @@ order). They cross to the host once (numpy, then a torch CPU view) and go throug
 `vllm.v1.sample.sampler.Sampler` with a `SamplingMetadata` built for exactly those rows:
 greedy, temperature, top-k, top-p, min-p, per-request seeds, repetition / presence /
 frequency penalties, logit bias, min_tokens, allowed and bad words, and logprobs are
-vLLM's code, not a re-implementation. Structured output arrives as vLLM's grammar bitmask
-(rows computed by the engine's xgrammar backend), applied with xgrammar before sampling as
-vLLM's own runners do. The vocabulary-sized copy is the price (a few hundred KB per row),
-paid once per step.
+vLLM's code, not a re-implementation; so are prompt logprobs (vLLM's log_softmax and top-k
+over the prompt rows of a request that asks for them; `prompt_logprobs.py` keeps their
+chunks). Structured output arrives as vLLM's grammar bitmask (rows computed by the engine's
+xgrammar backend), applied with xgrammar before sampling as vLLM's own runners do. The
+vocabulary-sized copy is the price (a few hundred KB per row), paid once per step.
 
 Rows differ from step to step (requests finish, chunks end mid-prompt), so the built-in
 logits processors get every row re-added each step; vLLM's BatchUpdate contract allows
@@ -32,7 +33,7 @@ import xgrammar
 from vllm.config import VllmConfig
 from vllm.sampling_params import SamplingParams, SamplingType
 from vllm.v1.core.sched.output import GrammarOutput
-from vllm.v1.outputs import LogprobsLists, SamplerOutput
+from vllm.v1.outputs import LogprobsLists, LogprobsTensors, SamplerOutput
 from vllm.v1.sample.logits_processor import BatchUpdate, build_logitsprocs
 from vllm.v1.sample.metadata import SamplingMetadata
 from vllm.v1.sample.sampler import Sampler
@@ -40,9 +41,8 @@ from vllm.v1.sample.sampler import Sampler
 # SamplingParams fields whose work happens in vLLM's GPU model runner (not in the
 # Sampler or the frontend), with the reason this runner refuses them.
 _UNSUPPORTED = {
-    "prompt_logprobs": "prompt logprobs are not computed (only the sampling rows reach "
-                       "the vocabulary projection)",
-    "prompt_logprob_token_ids": "prompt logprobs are not computed",
+    "prompt_logprob_token_ids": "scoring fixed token ids at each prompt position is not "
+                                "implemented (prompt_logprobs is)",
     "thinking_token_budget": "thinking budgets are not wired into this runner",
     "trace_decode_token_ids": "trace replay is not supported",
 }
@@ -95,6 +95,7 @@ class BatchSampler:
         self.vocab_size = vocab_size
         self.max_rows = vllm_config.scheduler_config.max_num_seqs
         mode = vllm_config.model_config.logprobs_mode if vllm_config.model_config else "raw_logprobs"
+        self.logprobs_mode = mode
         self.sampler = Sampler(logprobs_mode=mode)
         # vLLM's built-in processors only (min_tokens, logit_bias, min_p); the platform
         # refuses custom ones, whose per-request state a per-step refresh would reset.
@@ -120,6 +121,23 @@ class BatchSampler:
             full[indices] = masks
             xgrammar.apply_token_bitmask_inplace(host, full, vocab_size=self.vocab_size)
         return self.sampler(host, self._metadata(rows))
+
+    def prompt_logprobs(self, logits: np.ndarray, targets: np.ndarray,
+                        num_logprobs: int) -> LogprobsTensors:
+        """One request's prompt rows as vLLM's GPU runner scores them: `logits` [rows, vocab]
+        (float32), `targets` [rows] the prompt token each row predicts; column 0 holds the
+        target's score, then the top `num_logprobs`, beside the target's rank. Prompt tokens
+        skip the logits processors, so raw and processed modes give the same scores."""
+        if logits.shape != (len(targets), self.vocab_size):
+            raise ValueError(f"logits: expected shape ({len(targets)}, {self.vocab_size}), "
+                             f"got {tuple(logits.shape)}")
+        if not 0 <= num_logprobs <= self.vocab_size:
+            raise ValueError(f"num_logprobs: {num_logprobs} is outside [0, {self.vocab_size}]")
+        scores = torch.from_numpy(np.asarray(logits, dtype=np.float32))
+        if self.logprobs_mode not in ("raw_logits", "processed_logits"):
+            scores = self.sampler.compute_logprobs(scores)
+        return self.sampler.gather_logprobs(scores, num_logprobs,
+                                            torch.from_numpy(targets.astype(np.int64)))
 
     def _refresh_logitsprocs(self, rows: Sequence[SamplingRow]) -> None:
         update = BatchUpdate(

@@ -2,7 +2,8 @@
 
 One server for the module (prefix caching on, a small KV pool, prompt-token details on).
 It answers sensibly (Paris), refuses bad input with a 4xx that names the problem and keeps
-serving, and a request's cached blocks are not touched by requests running beside it.
+serving, a request's cached blocks are not touched by requests running beside it, and prompt
+logprobs match mlx-lm's.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ import pytest
 from bench.vllm_server import VllmServer
 
 from .serving_support import smollm2
+from .test_serving_prompt_logprobs import PROMPT_LOGPROBS, assert_prompt_logprobs, mlx_lm_logprobs
 
 MAX_MODEL_LEN = 512
 
@@ -64,7 +66,10 @@ BAD_REQUESTS = {
                                          ["maximum context length"]),
     "token ids outside the vocabulary": ([1, 2, 49152], {}, ["49152", "vocabulary"]),
     "negative token id": ([1, -5], {}, ["-5"]),
-    "prompt logprobs": ("Hello", {"extra_body": {"prompt_logprobs": 1}}, ["prompt_logprobs"]),
+    "prompt logprobs past the vocabulary": ("Hello", {"extra_body": {"prompt_logprobs": 49153}},
+                                            ["prompt_logprobs"]),
+    "negative prompt logprobs": ("Hello", {"extra_body": {"prompt_logprobs": -2}},
+                                 ["prompt_logprobs"]),
     "thinking budget": ("Hello", {"extra_body": {"thinking_token_budget": 4}},
                         ["thinking_token_budget"]),
 }
@@ -124,3 +129,27 @@ def test_requests_beside_it_do_not_write_into_a_requests_cached_blocks(client):
     assert second.choices[0].text == first.choices[0].text
     np.testing.assert_allclose(second.choices[0].logprobs.token_logprobs,
                                first.choices[0].logprobs.token_logprobs, atol=1e-5)
+
+
+def test_completions_prompt_logprobs_match_mlx_lm_and_skip_the_cache(client):
+    """A 300-token prompt (two steps of the server's 256-token budget) run once to cache its
+    blocks, then with prompt_logprobs: every position is there (no cached token read), each
+    within LOGPROB_ATOL of log_softmax of mlx-lm's logits."""
+    from mlx_lm import load
+
+    model, tokenizer = load(str(smollm2()))
+    text = " ".join(f"Lantern {i} of the festival was painted with a river spirit."
+                    for i in range(40))
+    prompt = tokenizer.encode(text)[:300]
+    assert len(prompt) == 300
+    complete(client, prompt, max_tokens=2)
+    scored = complete(client, prompt, max_tokens=2, extra_body={"prompt_logprobs": PROMPT_LOGPROBS})
+    assert scored.usage.prompt_tokens_details.cached_tokens in (None, 0)
+    positions = scored.choices[0].prompt_logprobs
+    assert positions[0] is None and len(positions) == len(prompt)
+    rows = [{"token": token, "rank": position[str(token)]["rank"],
+             "logprobs": {t: lp["logprob"] for t, lp in position.items()}}
+            for token, position in zip(prompt[1:], positions[1:])]
+    assert_prompt_logprobs(rows, mlx_lm_logprobs(model, prompt))
+    again = complete(client, prompt, max_tokens=2)
+    assert again.usage.prompt_tokens_details.cached_tokens >= 288  # the cache was on

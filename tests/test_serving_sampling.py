@@ -10,9 +10,10 @@ from __future__ import annotations
 import mlx.core as mx
 import numpy as np
 import pytest
-from vllm.config import VllmConfig
+from vllm.config import ModelConfig, VllmConfig
 from vllm.sampling_params import SamplingParams
 
+from paged_prefix.models import hf_config, resolve_config
 from paged_prefix.vllm_sampling import BatchSampler, SamplingRow, make_generator, unsupported_reason
 
 VOCAB = 64
@@ -117,7 +118,43 @@ def test_penalties_bias_and_processors_change_the_greedy_choice(sampler):
 
 def test_unsupported_options_are_named():
     assert unsupported_reason(SamplingParams()) is None
-    assert unsupported_reason(SamplingParams(prompt_logprobs=1))[0] == "prompt_logprobs"
+    assert unsupported_reason(SamplingParams(prompt_logprobs=1)) is None
+    refused = SamplingParams(prompt_logprobs=1, prompt_logprob_token_ids=[[1, 2]])
+    assert unsupported_reason(refused)[0] == "prompt_logprob_token_ids"
+
+
+@pytest.mark.parametrize("n", [0, 3, VOCAB])
+def test_prompt_logprobs_are_log_softmax_with_the_target_first_then_the_top_n(sampler, n):
+    values = logits(5, seed=4)
+    targets = np.array([3, 9, 0, VOCAB - 1, 9])
+    rows = sampler.prompt_logprobs(values, targets, n)
+    expected = log_softmax(values)
+    ids = rows.logprob_token_ids.numpy()
+    assert ids.shape == (5, n + 1)
+    np.testing.assert_array_equal(ids[:, 0], targets)
+    np.testing.assert_array_equal(ids[:, 1:], np.argsort(-values, axis=1, kind="stable")[:, :n])
+    np.testing.assert_allclose(rows.logprobs.numpy(), np.take_along_axis(expected, ids, 1),
+                               atol=1e-6, rtol=0)
+    np.testing.assert_array_equal(rows.selected_token_ranks.numpy(),
+                                  (values >= values[np.arange(5), targets][:, None]).sum(1))
+
+
+def test_prompt_logprobs_follow_the_logprobs_mode(tmp_path):
+    """--logprobs-mode raw_logits: the logits themselves, as vLLM's runner returns them."""
+    folder = hf_config({**resolve_config("llama-test"), "vocab_size": VOCAB}, tmp_path)
+    model = ModelConfig(model=str(folder), skip_tokenizer_init=True, logprobs_mode="raw_logits")
+    raw = BatchSampler(VOCAB, VllmConfig(model_config=model))
+    values = logits(2, seed=5)
+    rows = raw.prompt_logprobs(values, np.array([1, 2]), 2)
+    np.testing.assert_array_equal(rows.logprobs.numpy(),
+                                  np.take_along_axis(values, rows.logprob_token_ids.numpy(), 1))
+
+
+def test_prompt_rows_of_the_wrong_shape_or_count_are_refused(sampler):
+    with pytest.raises(ValueError, match="logits"):
+        sampler.prompt_logprobs(logits(2), np.array([1]), 1)
+    with pytest.raises(ValueError, match="num_logprobs"):
+        sampler.prompt_logprobs(logits(1), np.array([1]), VOCAB + 1)
 
 
 def test_logits_of_the_wrong_shape_are_refused(sampler):

@@ -23,7 +23,7 @@ from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCache
 from vllm.v1.outputs import ModelRunnerOutput
 from vllm.v1.worker.worker_base import CompilationTimes, WorkerBase
 
-from .. import cpu_blas
+from .. import cpu_blas, precision
 from ..dispatch import Dispatcher
 from ..kv_groups import LAYOUT, layer_specs
 from ..model_loader import load_model
@@ -69,7 +69,8 @@ class MLXWorker(WorkerBase):
                                      backend="gloo")
         ensure_model_parallel_initialized(1, 1)
         set_random_seed(self.model_config.seed)
-        logger.info("paged_prefix worker: MLX device %s", mx.default_device())
+        logger.info("paged_prefix worker: MLX device %s, %s", mx.default_device(),
+                    precision.status_line())
         if mx.default_device() == mx.cpu:
             as_asked = cpu_blas.require().active or cpu_blas.setting() == "bundled"
             logger.log(logging.INFO if as_asked else logging.WARNING, "paged_prefix worker: %s",
