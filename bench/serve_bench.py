@@ -40,10 +40,12 @@ def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--model", default=None,
                    help="mlx-lm folder (default: SmolLM2-135M, convert_smollm2's default variant)")
-    p.add_argument("--random-weights", default=None, choices=("llama-1b", "llama-8b"),
+    p.add_argument("--random-weights", default=None,
+                   choices=("llama-1b", "llama-8b", "gemma3-1b", "gpt-oss-20b"),
                    help="instead of --model: this built-in GPU-sized config with seeded random "
                         "bf16 weights and SmolLM2's tokenizer (greedy outputs are arbitrary but "
-                        "still compared off vs on)")
+                        "still compared off vs on); gemma3-1b and gpt-oss-20b have sliding "
+                        "windows, gpt-oss-20b sinks and experts (~40 GB of weights)")
     p.add_argument("--tokenizer", type=Path, default=None,
                    help="tokenizer folder for --random-weights (default: SmolLM2's)")
     p.add_argument("--num-prefixes", type=int, default=4)

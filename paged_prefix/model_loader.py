@@ -3,9 +3,10 @@
 A folder holds config.json, *.safetensors and the tokenizer files (what mlx-lm's
 `convert` writes, and what `python -m paged_prefix.convert_smollm2` builds). Quantized
 folders (a `quantization` entry in config.json) load as mlx-lm quantizes them and keep
-their weights; dense ones are cast to the requested dtype. Only architectures whose
-attention `PagedAttention` can take over load; the others fail before any weight is read,
-naming the model type and the supported ones. No hub download: the folder must exist.
+their weights; dense ones are cast to the requested dtype. Models are mlx-lm's own classes,
+built with the args that keep what their attention depends on (`architectures`). Only
+architectures whose attention the runner reproduces load; the others fail before any weight is
+read, naming the model type or the config field. No hub download: the folder must exist.
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx_lm.utils import load_model as mlx_lm_load_model
 
-from .runner import SUPPORTED_MODEL_TYPES, check_model
+from . import architectures
 
 logger = logging.getLogger(__name__)
 
@@ -30,10 +31,10 @@ def read_config(folder: str | Path) -> dict:
         raise ValueError(f"model: {str(folder)!r} is not a local model folder with a config.json "
                          "(hub downloads are not supported; convert or download it first)")
     config = json.loads((path / "config.json").read_text())
-    model_type = config.get("model_type")
-    if model_type not in SUPPORTED_MODEL_TYPES:
-        raise ValueError(f"model_type: {model_type!r} in {path / 'config.json'} is not supported; "
-                         f"paged attention takes over {', '.join(SUPPORTED_MODEL_TYPES)}")
+    try:
+        architectures.check_config(config)
+    except ValueError as e:
+        raise ValueError(f"{e} (in {path / 'config.json'})") from None
     return config
 
 
@@ -45,8 +46,10 @@ def load_model(folder: str | Path, dtype: mx.Dtype | None = None) -> nn.Module:
     """The mlx-lm model in `folder`, evaluated; dense weights cast to `dtype` when given."""
     config = read_config(folder)
     start = time.perf_counter()
-    model, _ = mlx_lm_load_model(Path(folder))
-    check_model(model)
+    # lazy: the model's attention is checked before any weight is read
+    model, _ = mlx_lm_load_model(Path(folder), lazy=True,
+                                 get_model_classes=architectures.model_classes)
+    architectures.check_model(model)
     if dtype is not None and not is_quantized(config):
         model.set_dtype(dtype)
     mx.eval(model.parameters())

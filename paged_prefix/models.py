@@ -1,10 +1,11 @@
 """Built-in models: real mlx-lm model classes with seeded random weights.
 
-The built-in models are small configs of the real Llama, Qwen2 and Qwen3 classes (tests and
-the offline demo need no download), plus GPU-sized shapes for the prefill benchmarks.
-`hf_config()` writes the matching Hugging Face style config.json that vLLM's ModelConfig reads;
-`write_folder()` a whole servable mlx-lm folder: a built-in config's random weights plus a real
-tokenizer, for serving benchmarks of a GPU-sized model where no real one is on disk.
+The built-in models are small configs of the real classes of every architecture the runner
+serves (`architectures`: tests and the offline demo need no download), plus GPU-sized shapes for
+the prefill and serving benchmarks. `hf_config()` writes the matching Hugging Face style
+config.json that vLLM's ModelConfig reads; `write_folder()` a whole servable mlx-lm folder: a
+built-in config's random weights plus a real tokenizer (or none, for token-id prompts), for
+serving a model where no real one is on disk.
 """
 
 from __future__ import annotations
@@ -17,14 +18,25 @@ from pathlib import Path
 
 import mlx.core as mx
 import mlx.nn as nn
-from mlx.utils import tree_flatten
-from mlx_lm.models import llama, qwen2, qwen3
+from mlx.utils import tree_flatten, tree_map_with_path
+
+from .architectures import architecture, check_config
 
 _COMMON = dict(
     rms_norm_eps=1e-5, rope_theta=10000.0, max_position_embeddings=4096,
     # Untied: with random weights a tied head mostly echoes the input token back.
     tie_word_embeddings=False,
 )
+_GEMMA3 = dict(model_type="gemma3_text", num_attention_heads=4, num_key_value_heads=1,
+               rms_norm_eps=1e-6, rope_theta=1000000.0, rope_local_base_freq=10000.0)
+_GPT_OSS = dict(model_type="gpt_oss", head_dim=64, rope_theta=150000.0)
+
+
+def _gpt_oss_yarn(original_max_position_embeddings: int) -> dict:
+    return dict(rope_type="yarn", factor=32.0, beta_fast=32.0, beta_slow=1.0,
+                original_max_position_embeddings=original_max_position_embeddings)
+
+
 BUILTIN_CONFIGS: dict[str, dict] = {
     # Sized so the TTFT demo's ~16k prompt tokens prefill in tens of seconds on 2 CPU cores.
     "llama-tiny": dict(model_type="llama", hidden_size=256, num_hidden_layers=4,
@@ -54,10 +66,55 @@ BUILTIN_CONFIGS: dict[str, dict] = {
     "qwen2-test": dict(model_type="qwen2", hidden_size=256, num_hidden_layers=2,
                        intermediate_size=256, num_attention_heads=4, num_key_value_heads=2,
                        head_dim=64, vocab_size=512, **_COMMON),
+    # One per architecture beyond those: windows of 20 keys (not a whole number of 16-token
+    # blocks), scales and caps other than the defaults, so a dropped feature shows.
+    "llama3-test": dict(model_type="llama", hidden_size=128, num_hidden_layers=2,
+                        intermediate_size=256, num_attention_heads=4, num_key_value_heads=2,
+                        head_dim=64, vocab_size=512,
+                        layer_types=["sliding_attention", "full_attention"], sliding_window=20,
+                        **{**_COMMON, "rope_theta": 500000.0, "rope_scaling": dict(
+                            rope_type="llama3", factor=8.0, low_freq_factor=1.0,
+                            high_freq_factor=4.0, original_max_position_embeddings=64)}),
+    # Mistral 7B v0.1's layout: every layer windowed by sliding_window
+    "mistral-test": dict(model_type="mistral", hidden_size=128, num_hidden_layers=2,
+                         intermediate_size=256, num_attention_heads=4, num_key_value_heads=2,
+                         head_dim=64, vocab_size=512, sliding_window=20, **_COMMON),
+    "gemma2-test": dict(model_type="gemma2", hidden_size=128, num_hidden_layers=2,
+                        intermediate_size=256, num_attention_heads=4, num_key_value_heads=2,
+                        head_dim=64, vocab_size=512, rms_norm_eps=1e-6, rope_theta=10000.0,
+                        query_pre_attn_scalar=48, attn_logit_softcapping=2.0,
+                        final_logit_softcapping=3.0, sliding_window=20),
+    "gemma3-test": dict(hidden_size=128, num_hidden_layers=2, intermediate_size=256,
+                        head_dim=64, vocab_size=512, query_pre_attn_scalar=48, sliding_window=20,
+                        sliding_window_pattern=2, max_position_embeddings=4096,
+                        rope_scaling=dict(rope_type="linear", factor=8.0), **_GEMMA3),
+    "gpt-oss-test": dict(hidden_size=128, num_hidden_layers=2, intermediate_size=128,
+                         num_local_experts=4, num_experts_per_tok=2, num_attention_heads=4,
+                         num_key_value_heads=1, vocab_size=512, sliding_window=20,
+                         rope_scaling=_gpt_oss_yarn(64),
+                         layer_types=["sliding_attention", "full_attention"], **_GPT_OSS),
+    # layer 1 dense (mlp_only_layers): Qwen3-MoE's MLP beside its experts
+    "qwen3-moe-test": dict(model_type="qwen3_moe", hidden_size=128, num_hidden_layers=2,
+                           intermediate_size=256, moe_intermediate_size=64, num_experts=4,
+                           num_experts_per_tok=2, decoder_sparse_step=1, mlp_only_layers=[1],
+                           norm_topk_prob=True, num_attention_heads=8, num_key_value_heads=2,
+                           head_dim=64, vocab_size=512, **_COMMON),
+    # Mixtral computes head_dim as hidden_size / heads; Mixtral 8x7B's window is null
+    "mixtral-test": dict(model_type="mixtral", hidden_size=128, num_hidden_layers=2,
+                         intermediate_size=128, num_local_experts=4, num_experts_per_tok=2,
+                         num_attention_heads=2, num_key_value_heads=1, vocab_size=512,
+                         sliding_window=None, **_COMMON),
+    # GPU-sized shapes of Gemma 3 1B and GPT-OSS 20B, for serving benchmarks
+    "gemma3-1b": dict(hidden_size=1152, num_hidden_layers=26, intermediate_size=6912,
+                      head_dim=256, vocab_size=262144, query_pre_attn_scalar=256,
+                      sliding_window=512, sliding_window_pattern=6, max_position_embeddings=32768,
+                      **_GEMMA3),
+    "gpt-oss-20b": dict(hidden_size=2880, num_hidden_layers=24, intermediate_size=2880,
+                        num_local_experts=32, num_experts_per_tok=4, num_attention_heads=64,
+                        num_key_value_heads=8, vocab_size=201088, sliding_window=128,
+                        rope_scaling=_gpt_oss_yarn(4096), max_position_embeddings=131072,
+                        **_GPT_OSS),
 }
-_MODULES = {"llama": llama, "mistral": llama, "qwen2": qwen2, "qwen3": qwen3}
-_ARCHITECTURES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM",
-                  "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
 
 
 def resolve_config(model: str | dict, **overrides) -> dict:
@@ -66,9 +123,7 @@ def resolve_config(model: str | dict, **overrides) -> dict:
             raise ValueError(f"model: {model!r} is not one of {sorted(BUILTIN_CONFIGS)}")
         model = BUILTIN_CONFIGS[model]
     config = {**model, **overrides}
-    if config.get("model_type") not in _MODULES:
-        raise ValueError(f"model_type: expected one of {sorted(_MODULES)}, got "
-                         f"{config.get('model_type')!r}")
+    check_config(config)
     return config
 
 
@@ -78,9 +133,14 @@ def build_model(config: dict, dtype: mx.Dtype = mx.float32, seed: int = 0,
 
     evaluate=False leaves the weights lazy, for a caller about to replace them (sharing
     another model's arrays costs no memory then)."""
-    module = _MODULES[config["model_type"]]
+    arch = check_config(config)
     mx.random.seed(seed)
-    model = module.Model(module.ModelArgs.from_dict(config))
+    model = arch.module.Model(arch.model_args.from_dict(config))
+    # GPT-OSS starts its sinks at zero: drawn like the other weights, so that a forward which
+    # drops or misplaces one differs
+    model.update(tree_map_with_path(
+        lambda path, p: mx.random.normal(p.shape) if path.endswith("sinks") else p,
+        model.parameters()))
     model.set_dtype(dtype)
     if evaluate:
         mx.eval(model.parameters())
@@ -90,7 +150,7 @@ def build_model(config: dict, dtype: mx.Dtype = mx.float32, seed: int = 0,
 def hf_config(config: dict, folder: Path, dtype: str = "float32") -> Path:
     """Write `folder/config.json` for vLLM's ModelConfig (no weights, no tokenizer)."""
     folder.mkdir(parents=True, exist_ok=True)
-    body = {**config, "architectures": [_ARCHITECTURES[config["model_type"]]],
+    body = {**config, "architectures": [architecture(config["model_type"]).hf_architecture],
             "torch_dtype": dtype, "bos_token_id": 1, "eos_token_id": 2}
     (folder / "config.json").write_text(json.dumps(body, indent=1))
     return folder
@@ -99,27 +159,32 @@ def hf_config(config: dict, folder: Path, dtype: str = "float32") -> Path:
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")
 
 
-def write_folder(name: str, folder: Path, tokenizer: Path, dtype: mx.Dtype = mx.bfloat16,
-                 seed: int = 0) -> Path:
+def write_folder(name: str, folder: Path, tokenizer: Path | None,
+                 dtype: mx.Dtype = mx.bfloat16, seed: int = 0) -> Path:
     """An mlx-lm folder of built-in config `name` with seeded random weights and the tokenizer
-    files of folder `tokenizer`, whose vocabulary sets vocab_size. Written atomically and
-    reused when it exists, so a crash never leaves half a model."""
+    files of folder `tokenizer`, whose vocabulary sets vocab_size; with `tokenizer` None, no
+    tokenizer and the config's own vocabulary (for token-id prompts: vLLM's
+    skip_tokenizer_init). Written atomically and reused when it exists, so a crash never leaves
+    half a model."""
     if (folder / "config.json").exists():
         return folder
-    from tokenizers import Tokenizer
+    overrides = {}
+    if tokenizer is not None:
+        from tokenizers import Tokenizer
 
-    missing = [f for f in TOKENIZER_FILES if not (tokenizer / f).is_file()]
-    if missing:
-        raise ValueError(f"tokenizer: {str(tokenizer)!r} lacks {', '.join(missing)}")
-    vocab = Tokenizer.from_file(str(tokenizer / "tokenizer.json")).get_vocab_size(True)
-    config = resolve_config(name, vocab_size=vocab)
+        missing = [f for f in TOKENIZER_FILES if not (tokenizer / f).is_file()]
+        if missing:
+            raise ValueError(f"tokenizer: {str(tokenizer)!r} lacks {', '.join(missing)}")
+        tokens = Tokenizer.from_file(str(tokenizer / "tokenizer.json"))
+        overrides["vocab_size"] = tokens.get_vocab_size(True)
+    config = resolve_config(name, **overrides)
     model = build_model(config, dtype, seed)
 
     def fill(tmp: Path) -> None:
         hf_config(config, tmp, str(dtype).rsplit(".", 1)[-1])
         mx.save_safetensors(str(tmp / "model.safetensors"),
                             dict(tree_flatten(model.parameters())), metadata={"format": "mlx"})
-        for f in TOKENIZER_FILES:
+        for f in TOKENIZER_FILES if tokenizer is not None else ():
             shutil.copy(tokenizer / f, tmp / f)
     return write_atomically(folder, fill)
 

@@ -16,15 +16,17 @@ import copy
 import mlx.nn as nn
 from mlx.utils import tree_map
 
+from .architectures import LayerAttention
 from .attention import patch_attention
 from .linear import pack_linears
 from .mlp import patch_mlp
 
 
-def paged_model(model: nn.Module) -> nn.Module:
-    """The caller's model, copied and converted for `PagedModelRunner.forward`."""
+def paged_model(model: nn.Module, specs: list[LayerAttention]) -> nn.Module:
+    """The caller's model, copied and converted for `PagedModelRunner.forward`; `specs`: each
+    layer's attention (`architectures.check_model`)."""
     own = copy_modules(model)
-    patch_attention(own)
+    patch_attention(own, specs)
     patch_mlp(own)
     for layer in own.layers:  # the runner feeds packed [T, hidden] rows
         pack_linears(layer)

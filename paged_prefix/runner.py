@@ -3,11 +3,13 @@
 `PagedModelRunner.forward(meta)` runs its own copy of an mlx-lm model (`paged_model.py`: the
 same weight arrays, the caller's model left as it was) whose attention reads and writes the
 paged KV cache, computing only the scheduled tokens, and returns the logits of the rows that
-sample (and of the prompt rows a request wants prompt logprobs for). Every check runs before
-the first cache write, and a forward that raises while its graph is built leaves the cache as
-it was, unless it raises after pipelined evaluation began (an error inside the model's own
-code past layer 0): then the layers already evaluated have written their rows, into this
-forward's own slots and no others.
+sample (and of the prompt rows a request wants prompt logprobs for). Its architecture
+(`architectures`) gives the embedding and the logits around mlx-lm's own decoder layers, and
+each layer's attention geometry (window, softcap, sinks): a forward plans one attention per
+distinct geometry. Every check runs before the first cache write, and a forward that raises
+while its graph is built leaves the cache as it was, unless it raises after pipelined
+evaluation began (an error inside the model's own code past layer 0): then the layers already
+evaluated have written their rows, into this forward's own slots and no others.
 
 Pipelining (by default on a GPU, for forwards of at least PIPELINE_MIN_TOKENS new tokens): the
 graph is sent to the device (`mx.async_eval`) after layers 0, 1, 3, 7, ..., so the host builds
@@ -29,15 +31,13 @@ import numpy as np
 from jit_kernels.arrays import device_array
 from jit_kernels.geometry import Geometry
 
+from .architectures import Architecture, LayerAttention, architecture, check_model
 from .attention import ForwardContext, PagedAttention
-from .dispatch import Dispatcher
+from .dispatch import Dispatcher, ForwardAttention
 from .kv_cache import PagedKVCache, Slots
 from .metadata import BatchMetadata
 from .paged_model import paged_model
 from .validate import as_ints
-
-# mlx-lm model types whose attention PagedAttention takes over (mistral runs mlx-lm's llama).
-SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
 
 
 @dataclass
@@ -46,15 +46,13 @@ class RunnerStats:
     tokens_computed: int = 0  # rows that went through the model: the suffix-only count
 
 
-def check_model(model: nn.Module) -> None:
-    """Raise ValueError unless every layer is full attention of a supported type."""
-    args = model.args
-    model_type = getattr(args, "model_type", None)
-    if model_type not in SUPPORTED_MODEL_TYPES:
-        raise ValueError(f"model_type: {model_type!r} is not one of {SUPPORTED_MODEL_TYPES}")
-    layer_types = set(getattr(args, "layer_types", None) or ["full_attention"])
-    if layer_types != {"full_attention"}:
-        raise ValueError(f"layer_types: only full attention is supported, got {sorted(layer_types)}")
+def attention_of(model: nn.Module) -> tuple[Architecture, list[LayerAttention]]:
+    """The model's architecture and each layer's attention (`architectures.check_model`); a
+    runner's own tree, taken over again, keeps the attention its layers already run."""
+    attns = [layer.self_attn for layer in model.layers]
+    if all(isinstance(a, PagedAttention) for a in attns):
+        return architecture(model.args.model_type), [a.spec for a in attns]
+    return check_model(model)
 
 
 # Side by side on the H200, 1.1B config (docs/gpu.md at commit 9fc46d4, "Pipelining"): prefills of 4096 and
@@ -114,32 +112,28 @@ def _checked_rows(rows: np.ndarray | None, num_tokens: int) -> np.ndarray:
     return as_ints(rows, "prompt_rows", low=0, high=num_tokens - 1).astype(np.int32)
 
 
-def _lm_head(model: nn.Module, hidden: mx.array) -> mx.array:
-    if model.args.tie_word_embeddings:
-        return model.model.embed_tokens.as_linear(hidden)
-    return model.lm_head(hidden)
-
-
 class PagedModelRunner:
     def __init__(self, model: nn.Module, kv_cache: PagedKVCache,
                  dispatcher: Dispatcher | None = None, pipeline: bool | None = None):
-        check_model(model)
-        model = paged_model(model)  # the runner's own tree: the caller's model is left as it was
-        num_layers = len(model.layers)
+        arch, specs = attention_of(model)
+        num_layers = len(specs)
         if kv_cache.num_layers != num_layers:
             raise ValueError(f"kv_cache: {kv_cache.num_layers} layers for a {num_layers}-layer model")
-        attn: PagedAttention = model.layers[0].self_attn
-        head_dim = attn.q_proj.weight.shape[0] // attn.n_heads
-        if (kv_cache.num_kv_heads, kv_cache.head_dim) != (attn.n_kv_heads, head_dim):
-            raise ValueError(
-                f"kv_cache: {kv_cache.num_kv_heads} kv heads of {kv_cache.head_dim} but the "
-                f"model has {attn.n_kv_heads} of {head_dim}")
-        self.model = model
+        for i, spec in enumerate(specs):
+            if (kv_cache.num_kv_heads, kv_cache.head_dim) != (spec.num_kv_heads, spec.head_dim):
+                raise ValueError(
+                    f"kv_cache: {kv_cache.num_kv_heads} kv heads of {kv_cache.head_dim} but the "
+                    f"model's layer {i} has {spec.num_kv_heads} of {spec.head_dim}")
+        # the runner's own tree: the caller's model is left as it was
+        self.model = paged_model(model, specs)
+        self.architecture = arch
         self.kv_cache = kv_cache
         self.dispatcher = dispatcher or Dispatcher()
-        self.geometry = Geometry(attn.n_heads, attn.n_kv_heads, head_dim, kv_cache.block_size,
-                                 kv_cache.dtype, float(attn.scale))
-        _check_group_windows(kv_cache, [self.geometry.window] * num_layers)
+        # one per layer; a forward plans each distinct one once per KV-cache group
+        self.geometries: tuple[Geometry, ...] = tuple(
+            layer.self_attn.geometry(kv_cache.block_size, kv_cache.dtype)
+            for layer in self.model.layers)
+        _check_group_windows(kv_cache, [g.window for g in self.geometries])
         self.vocab_size = model.args.vocab_size
         self.pipeline = pipeline  # None: on a GPU, for forwards of PIPELINE_MIN_TOKENS or more
         self.stats = RunnerStats()
@@ -175,18 +169,26 @@ class PagedModelRunner:
                                           for g in meta.groups)
         return self._last_slots[1]
 
+    def _plan(self, meta: BatchMetadata) -> tuple[tuple[ForwardAttention, ...], frozenset[int]]:
+        """Each layer's planned attention, one plan per KV-cache group (its tables) and distinct
+        geometry, and the layers that run each plan's entry check (the first of its kind)."""
+        kinds = list(zip(self.kv_cache.layout.group_of, self.geometries))
+        planned = {k: self.dispatcher.plan(meta.groups[k[0]].attn, k[1])
+                   for k in dict.fromkeys(kinds)}
+        first = frozenset(kinds.index(k) for k in planned)
+        return tuple(planned[k] for k in kinds), first
+
     def forward(self, meta: BatchMetadata, prompt_rows: np.ndarray | None = None) -> mx.array:
         """Logits (float32), lazily: one row per request that samples (`meta.sample_req_ids`
         order), then one per packed row listed in `prompt_rows` (rows whose prompt logprobs
         a request asked for); the caller evaluates them together with `kv_cache.arrays()`."""
         self._check(meta)
         prompt_rows = _checked_rows(prompt_rows, meta.num_tokens)
-        # per KV-cache group: its slots and its tables' plan
-        contexts = [ForwardContext(meta, self.kv_cache, slots,
-                                   self.dispatcher.plan(group.attn, self.geometry))
-                    for group, slots in zip(meta.groups, self._slots(meta))]
+        plans = self._plan(meta)  # each layer's, for its group
+        contexts = [ForwardContext(meta, self.kv_cache, slots, *plans)  # per group: its slots
+                    for slots in self._slots(meta)]
         layout = self.kv_cache.layout
-        # mlx-lm's model loop, with no mask (causality comes from the metadata)
+        # mlx-lm's model loop, with no mask (causality and windows come from the metadata)
         inner = self.model.model
         pipeline = self.pipeline
         if pipeline is None:
@@ -195,7 +197,7 @@ class PagedModelRunner:
         snapshot = self.kv_cache.snapshot()
         unsent = 0  # the first layer whose writes have not been sent to the device
         try:
-            hidden = inner.embed_tokens(meta.input_ids)  # [T, hidden]: packed rows
+            hidden = self.architecture.embed(self.model, meta.input_ids)  # [T, hidden]: packed
             for i, layer in enumerate(inner.layers):
                 if i in layout.wait_before:  # its arrays hold an earlier layer's writes
                     snapshot = None
@@ -235,7 +237,7 @@ class PagedModelRunner:
         picked = [meta.logits_indices] if meta.sample_req_ids else []
         if len(prompt_rows):
             picked.append(device_array(prompt_rows))
-        logits = [_lm_head(self.model, inner.norm(mx.take(hidden, rows, axis=0)))
+        logits = [self.architecture.logits(self.model, inner.norm(mx.take(hidden, rows, axis=0)))
                   for rows in picked]
         return (logits[0] if len(logits) == 1 else mx.concatenate(logits)).astype(mx.float32)
 

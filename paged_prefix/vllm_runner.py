@@ -45,7 +45,7 @@ from .kv_cache import PagedKVCache
 from .kv_groups import cache_layout
 from .metadata import BatchMetadata
 from .requests import Limits, RequestState, StepPlan, plan_step, with_sampled
-from .runner import PagedModelRunner
+from .runner import PagedModelRunner, attention_of
 from .vllm_sampling import BatchSampler, SamplingRow, grammar_rows, in_output_order
 
 logger = logging.getLogger(__name__)
@@ -69,11 +69,9 @@ class VllmModelRunner:
         self._last_step_end: float | None = None  # for the debug log's time between steps
 
     def layer_windows(self) -> tuple[int | None, ...]:
-        """Each layer's sliding window (None: full attention): mlx-lm's llama windows the
-        layers its config's `layer_types` name "sliding_attention"."""
-        args = self.model.args
-        types = getattr(args, "layer_types", None) or ["full_attention"] * len(self.model.layers)
-        return tuple(args.sliding_window if t == "sliding_attention" else None for t in types)
+        """Each layer's sliding window as the runner attends with it (None: full attention),
+        from its architecture (`runner.attention_of`)."""
+        return tuple(layer.window for layer in attention_of(self.model)[1])
 
     def initialize_kv_cache(self, kv_cache_config: KVCacheConfig) -> None:
         """The cache vLLM's config describes (`kv_groups.cache_layout` checks it): its groups,

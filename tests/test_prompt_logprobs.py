@@ -11,6 +11,8 @@ prompt's last token.
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import mlx.core as mx
 import numpy as np
 import pytest
@@ -19,7 +21,7 @@ from vllm.utils.hashing import sha256
 from vllm.v1.core.kv_cache_utils import get_request_block_hasher
 from vllm.v1.request import Request
 
-from paged_prefix import runner as runner_module
+from paged_prefix import architectures
 from paged_prefix.engine import Engine, EngineConfig
 from paged_prefix.models import build_model
 from tests.scheduler_outputs import cached, new, step
@@ -126,12 +128,12 @@ def test_mixed_batch_scores_one_requests_prompt_and_changes_nothing_beside_it(or
     same batch where nobody asks for prompt logprobs. Only the prompt rows asked for reach the
     vocabulary projection, in a projection of their own."""
     projected = []
-    lm_head = runner_module._lm_head
+    llama = architectures.ARCHITECTURES["llama"]  # CONFIG's: the runners built below take it
 
     def counting(model, hidden):
         projected[-1].append(hidden.shape[0])
-        return lm_head(model, hidden)
-    monkeypatch.setattr(runner_module, "_lm_head", counting)
+        return llama.logits(model, hidden)
+    monkeypatch.setitem(architectures.ARCHITECTURES, "llama", replace(llama, logits=counting))
 
     def run(prompt_logprobs):
         runner, outs = make_runner(), []

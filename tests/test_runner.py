@@ -13,12 +13,13 @@ runs its own copy of the module tree and leaves this one as it was):
 Kernel paths (GPU) compute attention in their own order: they are held to the tolerance only.
 """
 
+from dataclasses import replace
+
 import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 import pytest
 from mlx_lm.models import llama, qwen2, qwen3
-from mlx_lm.models.cache import make_prompt_cache
 
 import reference
 from paged_prefix import cpu_blas
@@ -29,6 +30,7 @@ from paged_prefix.models import build_model, resolve_config
 from paged_prefix.route import SDPA_SOURCES
 from paged_prefix.runner import PagedModelRunner
 from tests.conftest import ATTENTION_PATHS, DTYPES, KERNEL_PATHS, ON_GPU
+from tests.mlx_lm_oracle import MlxLmOracle
 
 BS, NUM_BLOCKS, PROMPT_LEN, DECODE_STEPS = 16, 64, 70, 6
 # Logits vs a full prefill, (atol, rtol) by model dtype: the two compute attention over
@@ -67,8 +69,10 @@ class Harness:
         self.exact = path in EXACT_PATHS and not ON_GPU
         self.blas_rounded = self.exact and dtype == mx.float32 and cpu_blas.status().active
         self.dense = build_model(self.cfg, dtype, seed=7)
+        head_dim = self.cfg.get("head_dim") or self.cfg["hidden_size"] // \
+            self.cfg["num_attention_heads"]  # Mixtral's class derives it
         kv = PagedKVCache(self.cfg["num_hidden_layers"], NUM_BLOCKS, BS,
-                          self.cfg["num_key_value_heads"], self.cfg["head_dim"], dtype)
+                          self.cfg["num_key_value_heads"], head_dim, dtype)
         self.runner = PagedModelRunner(self.dense, kv, Dispatcher(path, strict=True))
         self.free = list(np.random.default_rng(3).permutation(np.arange(1, NUM_BLOCKS)))
 
@@ -82,19 +86,12 @@ class Harness:
         return dict(zip(meta.sample_req_ids, logits))
 
     def split_logits(self, tokens, splits):
-        """mlx-lm's contiguous cache fed tokens[a:b] for each (a, b): last-row logits of each."""
-        cache = make_prompt_cache(self.dense)
-        return [self.dense(mx.array([tokens[a:b]]), cache=cache)[0, -1] for a, b in splits]
+        """mlx-lm's own cache fed tokens[a:b] for each (a, b): last-row logits of each."""
+        return MlxLmOracle(self.dense, self.cfg).split_logits(tokens, splits)
 
     def dense_greedy(self, prompt, steps):
         """Full-prefill last-token logits and the greedy continuation of the oracle."""
-        cache = make_prompt_cache(self.dense)
-        logits = self.dense(mx.array([prompt]), cache=cache)[0, -1]
-        first, out = logits, []
-        for _ in range(steps):
-            out.append(int(mx.argmax(logits)))
-            logits = self.dense(mx.array([[out[-1]]]), cache=cache)[0, -1]
-        return first, out
+        return MlxLmOracle(self.dense, self.cfg).greedy(prompt, steps)
 
     def assert_same(self, got, want):
         """Bit-identical on the exact paths (float32 on OpenBLAS: SPLIT_TOL_OPENBLAS and the
@@ -127,26 +124,34 @@ def prompt_of(seed, n=PROMPT_LEN, vocab=512):
     return np.random.default_rng(seed).integers(3, vocab, n).tolist()
 
 
+def prefix_hit(h, prompt, hit, steps=DECODE_STEPS):
+    """`prompt`'s first `hit` tokens cached by an earlier request (or chunk), the rest computed,
+    then greedy decoding. Returns the suffix's last logits, the oracle's for the same split and
+    for a full prefill, the `steps` tokens decoded and the oracle's."""
+    n = len(prompt)
+    blocks = h.blocks(n + steps)
+    if hit:  # an earlier request left the prefix's K/V in these blocks
+        h.step(ScheduledRequest("warm", prompt[:hit], hit, 0, hit, blocks))
+    before = h.runner.stats.tokens_computed
+    logits = h.step(ScheduledRequest("b", prompt, n, hit, n - hit, blocks))["b"]
+    assert h.runner.stats.tokens_computed - before == n - hit  # suffix only
+    tokens = prompt + [int(mx.argmax(logits))]
+    h.decode("b", tokens, blocks, n, steps - 1)
+    split = h.split_logits(prompt, [(0, hit), (hit, n)] if hit else [(0, n)])[-1]
+    full, want_tokens = h.dense_greedy(prompt, steps)
+    return logits, split, full, tokens[n:], want_tokens
+
+
 @pytest.mark.parametrize("path, dtype", PATH_DTYPES)
 @pytest.mark.parametrize("model", ["llama-test", "qwen3-test", "qwen2-test"])
 @pytest.mark.parametrize("hit", [0, BS, 4 * BS, PROMPT_LEN - 1],
                          ids=["none", "1-block", "4-blocks", "all-but-last"])
 def test_cached_prefix_equals_mlx_lm(model, path, dtype, hit):
     h = Harness(model, path, dtype)
-    prompt = prompt_of(hit)
-    blocks = h.blocks(PROMPT_LEN + DECODE_STEPS)
-    if hit:  # an earlier request (or chunk) left the prefix's K/V in these blocks
-        h.step(ScheduledRequest("warm", prompt[:hit], hit, 0, hit, blocks))
-    before = h.runner.stats.tokens_computed
-    logits = h.step(ScheduledRequest("b", prompt, PROMPT_LEN, hit, PROMPT_LEN - hit, blocks))["b"]
-    assert h.runner.stats.tokens_computed - before == PROMPT_LEN - hit  # suffix only
-    splits = [(0, hit), (hit, PROMPT_LEN)] if hit else [(0, PROMPT_LEN)]
-    h.assert_same(logits, h.split_logits(prompt, splits)[-1])
-    want_logits, want_tokens = h.dense_greedy(prompt, DECODE_STEPS)
-    h.assert_near(logits, want_logits)
-    tokens = prompt + [int(mx.argmax(logits))]
-    h.decode("b", tokens, blocks, PROMPT_LEN, DECODE_STEPS - 1)
-    assert tokens[PROMPT_LEN:] == want_tokens
+    logits, split, full, tokens, want_tokens = prefix_hit(h, prompt_of(hit), hit)
+    h.assert_same(logits, split)
+    h.assert_near(logits, full)
+    assert tokens == want_tokens
     layers = h.cfg["num_hidden_layers"]
     assert h.runner.dispatcher.counts == {path: layers * h.runner.stats.forwards}
 
@@ -156,6 +161,17 @@ def test_cached_prefix_equals_mlx_lm(model, path, dtype, hit):
 def test_mixed_batch_hits_fresh_and_decode_in_one_forward(model, path):
     dtype = mx.float32 if path in EXACT_PATHS else mx.float16
     h = Harness(model, path, dtype)
+    out, want = mixed_batch(h)
+    assert h.runner.stats.tokens_computed == 57 + 1 + 30 + 41
+    # packed rows go through the projections together: tolerance, not bit equality
+    for row in out:
+        h.assert_near(out[row], want[row])
+
+
+def mixed_batch(h):
+    """A 57-token prompt's prefill, then one forward of its decode row, a 78-token prompt that
+    hits its 3 full blocks, and a fresh 41-token prompt. Returns each row's logits and the
+    oracle's, by request id."""
     shared = prompt_of(100, 48)
     p_dec, p_hit, p_new = shared + prompt_of(1, 9), shared + prompt_of(2, 30), prompt_of(3, 41)
     b_dec, b_new = h.blocks(80), h.blocks(41)
@@ -167,11 +183,9 @@ def test_mixed_batch_hits_fresh_and_decode_in_one_forward(model, path):
         ScheduledRequest("hit", p_hit, 78, 48, 30, b_hit),
         ScheduledRequest("new", p_new, 41, 0, 41, b_new),
     )
-    assert h.runner.stats.tokens_computed == 57 + 1 + 30 + 41
-    # packed rows go through the projections together: tolerance, not bit equality
-    h.assert_near(out["dec"], h.split_logits(tokens, [(0, 57), (57, 58)])[-1])
-    h.assert_near(out["hit"], h.split_logits(p_hit, [(0, 48), (48, 78)])[-1])
-    h.assert_near(out["new"], h.dense_greedy(p_new, 0)[0])
+    return out, {"dec": h.split_logits(tokens, [(0, 57), (57, 58)])[-1],
+                 "hit": h.split_logits(p_hit, [(0, 48), (48, 78)])[-1],
+                 "new": h.dense_greedy(p_new, 0)[0]}
 
 
 def mixed_backend(name, monkeypatch):
@@ -344,9 +358,8 @@ def test_a_forward_failing_past_layer_0_writes_only_its_own_slots(pipeline):
 def test_a_softmax_scale_error_is_caught():
     """The exact comparison can fail: a 1% wrong scale in one layer changes the logits."""
     h = Harness("llama-test", "reference", mx.bfloat16)
-    h.runner.model.layers[1].self_attn.scale *= 1.01
-    h.runner.geometry = type(h.runner.geometry)(**{**h.runner.geometry.__dict__,
-                                                   "scale": h.runner.geometry.scale * 1.01})
+    first, second = h.runner.geometries
+    h.runner.geometries = (first, replace(second, scale=second.scale * 1.01))
     prompt = prompt_of(0)
     logits = h.step(ScheduledRequest("b", prompt, PROMPT_LEN, 0, PROMPT_LEN, h.blocks(70)))["b"]
     with pytest.raises(AssertionError):
@@ -417,7 +430,7 @@ def test_runner_rejects_mismatched_cache_and_models():
         PagedModelRunner(build_model(cfg), PagedKVCache(cfg["num_hidden_layers"], 8, BS, 3, 64))
     with pytest.raises(ValueError, match="kv_cache"):
         PagedModelRunner(build_model(cfg), PagedKVCache(1, 8, BS, 2, 64))
-    sliding = resolve_config("llama-test", layer_types=["sliding_attention", "full_attention"],
+    chunked = resolve_config("llama-test", layer_types=["chunked_attention", "full_attention"],
                              sliding_window=16)
-    with pytest.raises(ValueError, match="layer_types"):
-        PagedModelRunner(build_model(sliding), PagedKVCache(2, 8, BS, 2, 64))
+    with pytest.raises(ValueError, match="layer_types.*chunked_attention"):
+        PagedModelRunner(build_model(chunked), PagedKVCache(2, 8, BS, 2, 64))

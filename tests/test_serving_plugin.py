@@ -86,8 +86,8 @@ def test_platform_refuses_flags_the_worker_does_not_implement(setting, flag):
 def test_loader_names_unsupported_architectures_and_missing_folders(tmp_path):
     with pytest.raises(ValueError, match="not a local model folder"):
         read_config(tmp_path / "missing")
-    (tmp_path / "config.json").write_text(json.dumps({"model_type": "gemma2"}))
-    with pytest.raises(ValueError, match="'gemma2'.*llama"):
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "cohere2"}))
+    with pytest.raises(ValueError, match="'cohere2'.*llama"):
         load_model(tmp_path)
 
 

@@ -1,0 +1,42 @@
+"""Llama and Mistral: mlx-lm's `llama` model file.
+
+Llama windows the layers its config's `layer_types` marks "sliding_attention". A Mistral config
+windows every layer by `sliding_window` when it is set (Mistral 7B v0.1: 4096), as Hugging
+Face's Mistral does; mlx-lm's llama class, which Mistral loads as, would ignore it.
+"""
+
+from __future__ import annotations
+
+import mlx.nn as nn
+from mlx_lm.models import llama
+
+from .base import Architecture, LayerAttention, layer_type_windows, module_attention
+
+
+def _llama_attention(model: nn.Module) -> list[LayerAttention]:
+    args = model.args
+    return module_attention(model, layer_type_windows(args.layer_types, args.sliding_window,
+                                                    args.model_type))
+
+
+def _mistral_attention(model: nn.Module) -> list[LayerAttention]:
+    args = model.args
+    if set(args.layer_types) != {"full_attention"}:
+        raise ValueError(f"layer_types: {sorted(set(args.layer_types))} in a mistral config; "
+                         "Mistral windows every layer by sliding_window")
+    # 0 means no window in some checkpoints (vLLM reads it so)
+    return module_attention(model, [args.sliding_window or None] * len(model.layers))
+
+
+def _check_mistral(config: dict) -> None:
+    # Hugging Face's MistralConfig reads a missing sliding_window as 4096, mlx-lm as none
+    if "sliding_window" not in config:
+        raise ValueError("sliding_window: a mistral config must state it (null for full "
+                         "attention): Hugging Face reads a missing one as 4096, mlx-lm as none")
+
+
+ARCHITECTURES = (
+    Architecture("llama", "LlamaForCausalLM", llama, _llama_attention),
+    Architecture("mistral", "MistralForCausalLM", llama, _mistral_attention,
+                 check_config=_check_mistral),
+)
