@@ -23,12 +23,11 @@ from vllm.sampling_params import SamplingParams
 from vllm.utils.hashing import sha256
 from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
 from vllm.v1.core.sched.scheduler import Scheduler
-from vllm.v1.kv_cache_interface import FullAttentionSpec
 from vllm.v1.request import Request, RequestStatus
 from vllm.v1.structured_output import StructuredOutputManager
 
 from .dispatch import Dispatcher
-from .kv_groups import kv_cache_config, layer_specs
+from .kv_groups import blocks_held, kv_cache_config, layer_specs
 from .models import build_model, hf_config, resolve_config
 from .validate import as_int, as_ints
 from .vllm_runner import TORCH_TO_MLX, VllmModelRunner
@@ -64,15 +63,6 @@ class RequestResult:
     @property
     def ttft(self) -> float:
         return self.first_token_time - self.arrival
-
-
-def _blocks_held(spec, total: int, block_size: int, in_flight: int) -> int:
-    """The most blocks vLLM holds (and admits on) for a request of `total` tokens in a group
-    of `spec`: a sliding window's recycle."""
-    blocks = -(-total // block_size)
-    if isinstance(spec, FullAttentionSpec):
-        return blocks
-    return min(blocks, spec.max_admission_blocks_per_request(in_flight, total))
 
 
 class Engine:
@@ -130,8 +120,7 @@ class Engine:
             raise ValueError(f"max_model_len: {len(ids)} prompt + {max_tokens} output tokens "
                              f"exceed {c.max_model_len}")
         usable = c.num_blocks - 1  # vLLM keeps block 0 as its null block
-        needed = sum(_blocks_held(spec, total, c.block_size, self._in_flight)
-                     for spec in self._group_specs)
+        needed = self.blocks_held(total)
         if needed > usable:
             raise ValueError(f"num_blocks: {total} tokens need {needed} blocks of {c.block_size}"
                              f" over {len(self._group_specs)} KV-cache groups, the pool has "
@@ -141,6 +130,12 @@ class Engine:
             request_id=req_id, prompt_token_ids=ids.tolist(),
             sampling_params=SamplingParams(max_tokens=max_tokens, ignore_eos=True, temperature=0.0),
             pooling_params=None, block_hasher=self._hasher))
+
+    def blocks_held(self, num_tokens: int) -> int:
+        """The most blocks of the pool a request of `num_tokens` tokens holds at once, all its
+        KV-cache groups together (vLLM admits a request only where they are free)."""
+        return sum(blocks_held(spec, num_tokens, self._in_flight)
+                   for spec in self._group_specs)
 
     def abort(self, req_id: str) -> None:
         """Stop a queued or running request; its blocks go back to the pool."""

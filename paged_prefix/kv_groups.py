@@ -61,6 +61,16 @@ def kv_cache_config(vllm_config: VllmConfig, specs: dict[str, KVCacheSpec],
     return config
 
 
+def blocks_held(spec: KVCacheSpec, num_tokens: int, in_flight: int) -> int:
+    """The most blocks vLLM holds at once (and admits a request on) for `num_tokens` tokens in
+    a group of `spec`: a window recycles its blocks, past the tokens in flight
+    (`VllmConfig.max_in_flight_tokens`)."""
+    blocks = -(-num_tokens // spec.block_size)
+    if not isinstance(spec, SlidingWindowSpec):
+        return blocks
+    return min(blocks, spec.max_admission_blocks_per_request(in_flight, num_tokens))
+
+
 def cache_layout(config: KVCacheConfig,
                  windows: Sequence[int | None]) -> tuple[KVLayout, AttentionSpec]:
     """The layout of `config` for a model whose layers attend with `windows`, and the page spec

@@ -1,9 +1,8 @@
 """Per-forward batch metadata: built once from the scheduled requests, then only read.
 
 Data flows one way: scheduled requests -> `BatchMetadata` (host work and validation, once per
-forward) -> every layer's attention reads `BatchMetadata.attn` without any host sync. Host
-copies (numpy, read-only) travel beside the device arrays so that no per-layer code needs
-`.item()` / `.tolist()`.
+forward) -> every layer reads it with no host sync: read-only numpy copies travel beside the
+device arrays.
 
 Token layout: the new tokens of all sequences are packed back to back, sequence s owning rows
 `cu_seqlens_q[s] : cu_seqlens_q[s + 1]`. Sequence s already has `context_lens[s]` tokens in its
@@ -12,11 +11,11 @@ position `context_lens[s] + i` and may attend to keys `0 .. context_lens[s] + i`
 (bottom-right-aligned causal), with a sliding window W the latest W of them.
 
 KV-cache groups (vLLM's hybrid manager: full-attention layers, sliding-window layers) have
-their own block tables and slots (`GroupMetadata`) and share the tokens and lengths. In a
-windowed group the table entries wholly before a sequence's first visible key
-(`reference.key_start`) are never read: vLLM's null block, or a block since handed to another
-request. The checks (a block named once, shared only as the same prefix, written by one
-sequence) apply to the entries a forward reads or writes; the others need only be pool ids.
+their own block tables and slots (`GroupMetadata`) and share the tokens and lengths. A windowed
+group never reads the table entries wholly before a sequence's first visible key
+(`reference.key_start`): vLLM's null block, or a block since handed to another request. The
+checks (a block named once, shared only as the same prefix, written by one sequence) apply to
+the entries a forward reads or writes; the others need only be pool ids.
 
 Every inconsistency is a ValueError naming the field, raised before anything is written.
 """
@@ -82,9 +81,16 @@ class AttentionMetadata:
 
     def live_blocks(self) -> np.ndarray:
         """(sequence, block id) rows of every table entry this forward reads or writes."""
-        seqs, idx = _live(self.live_from_host, self.seq_lens_host, self.block_size,
-                          self.block_tables_host.shape[1])
-        return np.stack([seqs, self.block_tables_host[seqs, idx]], axis=1)
+        table = self.block_tables_host
+        seqs, idx = _live(self.live_from_host, self.seq_lens_host, self.block_size, table.shape[1])
+        return np.stack([seqs, table[seqs, idx]], axis=1)
+
+
+def _repeat(values: np.ndarray) -> tuple[np.ndarray, tuple[int, int] | None]:
+    """`values`' stable sort order, and the positions of two equal values (None: all differ)."""
+    order = np.argsort(values, kind="stable")
+    dup = np.nonzero(np.diff(values[order]) == 0)[0]
+    return order, (int(order[dup[0]]), int(order[dup[0] + 1])) if len(dup) else None
 
 
 def _live(first: np.ndarray, seq: np.ndarray, block_size: int,
@@ -178,10 +184,9 @@ def _shared_reads(table: np.ndarray, first: np.ndarray, ctx: np.ndarray, seq: np
     from `first` on are read."""
     w_seq, w_idx = _live(ctx // block_size, seq, block_size, table.shape[1])
     written = table[w_seq, w_idx]
-    order = np.argsort(written, kind="stable")
-    dup = np.nonzero(np.diff(written[order]) == 0)[0]
-    if len(dup):
-        a, b = order[dup[0]], order[dup[0] + 1]
+    order, twice = _repeat(written)
+    if twice:
+        a, b = twice
         raise ValueError(f"{field}: sequences {w_seq[a]} and {w_seq[b]} both write block "
                          f"{written[a]} in one forward")
     r_seq, r_idx = _live(first, ctx, block_size, table.shape[1])
@@ -388,10 +393,9 @@ def _check_groups_apart(groups: Sequence[AttentionMetadata]) -> None:
     live = [np.unique(a.live_blocks()[:, 1]) for a in groups]
     blocks = np.concatenate(live)
     owner = np.repeat(np.arange(len(live)), [len(b) for b in live])
-    order = np.argsort(blocks, kind="stable")
-    dup = np.nonzero(np.diff(blocks[order]) == 0)[0]
-    if len(dup):
-        a, b = order[dup[0]], order[dup[0] + 1]
+    twice = _repeat(blocks)[1]
+    if twice:
+        a, b = twice
         raise ValueError(f"block_ids: block {blocks[a]} is read or written by KV-cache groups "
                          f"{owner[a]} and {owner[b]} in one forward")
 

@@ -6,7 +6,8 @@ requests while their first owner still runs, prefix hits keep the window's block
 preemption and chunking happen on the tight pool.
 
 A stand-in model picks each next token from the request's tokens, so the same request always
-generates the same tokens; the runner's tokens through a real model are tests/test_groups_llm.py's.
+generates the same tokens; then a real model through the offline engine on the same kind of
+workload, against mlx-lm (vllm.LLM's own run: tests/test_serving_groups.py).
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ from __future__ import annotations
 import tempfile
 from pathlib import Path
 
+import mlx.core as mx
 import numpy as np
 import pytest
 import torch
@@ -22,26 +24,20 @@ from vllm.sampling_params import SamplingParams
 from vllm.utils.hashing import sha256
 from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
 from vllm.v1.core.sched.scheduler import Scheduler
-from vllm.v1.kv_cache_interface import SlidingWindowSpec
 from vllm.v1.outputs import ModelRunnerOutput
 from vllm.v1.request import Request
 from vllm.v1.structured_output import StructuredOutputManager
 
-from paged_prefix.kv_groups import kv_cache_config, layer_specs
-from paged_prefix.models import hf_config, resolve_config
+from paged_prefix.engine import Engine, EngineConfig
+from paged_prefix.kv_groups import blocks_held, kv_cache_config, layer_specs
+from paged_prefix.models import build_model, hf_config, resolve_config
 from paged_prefix.requests import NULL_BLOCK, Limits, plan_step, with_sampled
 from reference import key_start
 
+from .mlx_lm_oracle import MlxLmOracle
+
 BS, WINDOW, VOCAB = 16, 40, 512
 LAYER_TYPES = ["sliding_attention"] * 5 + ["full_attention"]  # one group a layer: six groups
-
-
-def blocks_held(spec, num_tokens: int, in_flight: int) -> int:
-    """The most blocks vLLM holds (and admits on) for a request in a group of `spec`."""
-    blocks = -(-num_tokens // BS)
-    if not isinstance(spec, SlidingWindowSpec):
-        return blocks
-    return min(blocks, spec.max_admission_blocks_per_request(in_flight, num_tokens))
 
 
 def next_token(tokens) -> int:
@@ -197,3 +193,41 @@ def test_freed_blocks_go_to_other_requests_while_their_owner_runs():
     assert driver.seen["reused"] > 0 and driver.seen["preempted"] == 0, driver.seen
     assert driver.outputs["long"] == expected(long, 120)
     assert all(driver.outputs[r] == expected(p, 6) for r, p in others.items())
+
+
+GROUPED = resolve_config("llama-test", num_hidden_layers=6, layer_types=LAYER_TYPES,
+                         sliding_window=WINDOW)
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_the_runners_tokens_equal_mlx_lm_on_tight_pools(seed):
+    """The same workloads through the offline engine and the paged runner on a real model of
+    those six groups (all six layers in one array pair): every request's greedy tokens equal
+    mlx-lm's own generation with its caches (rotating ones for the sliding layers)."""
+    rng = np.random.default_rng(50 + seed)
+    prompts = {}
+    for g in range(2):
+        prefix = rng.integers(3, VOCAB, int(rng.integers(50, 90))).tolist()
+        for i in range(3):
+            prompts[f"g{g}_{i}"] = prefix + rng.integers(3, VOCAB, int(rng.integers(1, 30))).tolist()
+    max_tokens, budget = 24, int(rng.choice([16, 32]))
+    probe = Engine(EngineConfig(model=GROUPED, num_blocks=1024, max_model_len=512,
+                                max_num_batched_tokens=budget, max_num_seqs=4))
+    need = 1 + probe.blocks_held(max(map(len, prompts.values())) + max_tokens)  # + null block
+    engine = Engine(EngineConfig(model=GROUPED, num_blocks=need + int(rng.integers(2, 12)),
+                                 max_model_len=512, max_num_batched_tokens=budget,
+                                 max_num_seqs=4))
+    assert engine.runner.runner.kv_cache.layout.num_arrays == 1
+    first, *rest = prompts
+    engine.add_request(first, prompts[first], max_tokens)
+    engine.run_to_completion()
+    for req_id in rest:
+        engine.add_request(req_id, prompts[req_id], max_tokens)
+    engine.run_to_completion()
+    oracle = MlxLmOracle(build_model(GROUPED, mx.float32, engine.config.seed), GROUPED)
+    for req_id, prompt in prompts.items():
+        assert engine.results[req_id].output_ids == oracle.greedy(prompt, max_tokens)[1], req_id
+    assert sum(r.cached_tokens for r in engine.results.values()) > 0
+    assert engine.num_partial_prefills > 0 and engine.num_preempted > 0
+    print(f"seed {seed}: {engine.config.num_blocks} blocks, {engine.num_preempted} preemptions, "
+          f"{sum(r.cached_tokens for r in engine.results.values())} tokens hit")
