@@ -62,4 +62,6 @@ def warm_up(runner: PagedModelRunner, sampler: BatchSampler, num_tokens: int) ->
                             repetition_penalty=1.1, logprobs=2)
     rows = [SamplingRow(SamplingParams(temperature=0.0), tokens[:num_tokens], [], None),
             SamplingRow(varied, tokens[:num_tokens], [tokens[-1]], make_generator(varied))]
-    sampler.sample(logits, rows)
+    for start in range(0, len(rows), sampler.max_rows):  # max_num_seqs may be 1
+        part = slice(start, start + sampler.max_rows)
+        sampler.sample(logits[part], rows[part])

@@ -29,10 +29,10 @@ CONFIG = resolve_config("llama-test")
 VOCAB = CONFIG["vocab_size"]
 
 
-def make_runner(vllm_config: VllmConfig | None = None) -> VllmModelRunner:
-    runner = VllmModelRunner(build_model(CONFIG, mx.float32, seed=0), vllm_config=vllm_config)
-    specs = layer_specs(runner.layer_windows(), BS, CONFIG["num_key_value_heads"],
-                        CONFIG["head_dim"], torch.float32)
+def make_runner(vllm_config: VllmConfig | None = None, config: dict = CONFIG) -> VllmModelRunner:
+    runner = VllmModelRunner(build_model(config, mx.float32, seed=0), vllm_config=vllm_config)
+    specs = layer_specs(runner.layer_windows(), BS, config["num_key_value_heads"],
+                        config["head_dim"], torch.float32)
     runner.initialize_kv_cache(kv_cache_config(vllm_config or VllmConfig(), specs, NUM_BLOCKS))
     return runner
 
@@ -222,6 +222,35 @@ def test_warm_up_runs_the_prefill_decode_and_cached_prefix_paths_and_keeps_no_st
     assert not runner.requests
     out = runner.execute_model(step({"a": 20}, [new("a", list(range(3, 23)), ([1, 2],))]))
     assert len(out.sampled_token_ids[0]) == 1
+
+
+# two layers: a sliding window of 20 keys, then full attention (two KV-cache groups)
+GROUPED = resolve_config("llama-test", layer_types=["sliding_attention", "full_attention"],
+                         sliding_window=20)
+
+
+@pytest.mark.parametrize("config, max_num_seqs", [(CONFIG, 1), (GROUPED, 4)],
+                         ids=["one sampling row", "two groups"])
+def test_warm_up_fits_the_runner_it_warms(config, max_num_seqs, monkeypatch):
+    """With max_num_seqs 1 its two sampling rows go one at a time; with KV-cache groups each
+    group writes its own blocks (none twice, never block 0)."""
+    runner = make_runner(VllmConfig(scheduler_config=SchedulerConfig(
+        max_num_seqs=max_num_seqs, max_model_len=512, is_encoder_decoder=False)), config)
+    sampled, written = [], []
+    sample = runner.sampler.sample
+    monkeypatch.setattr(runner.sampler, "sample",
+                        lambda logits, rows, *a: sampled.append(len(rows)) or sample(logits, rows,
+                                                                                     *a))
+    slots = runner.runner.kv_cache.slots
+    monkeypatch.setattr(runner.runner.kv_cache, "slots",
+                        lambda host, *a: written.append(np.unique(host // BS)) or slots(host, *a))
+    runner.warm_up(runner.warm_up_limit())
+    assert sum(sampled) == 2 and max(sampled) <= max_num_seqs
+    groups = len(runner.runner.kv_cache.windows)
+    assert groups == len(config.get("layer_types") or [0])
+    for forward in range(0, len(written), groups):  # a forward's groups write apart
+        blocks = np.concatenate(written[forward:forward + groups])
+        assert 0 not in blocks and len(np.unique(blocks)) == len(blocks)
 
 
 def test_warm_up_writes_the_cache_both_ways(monkeypatch):
