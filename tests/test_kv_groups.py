@@ -129,13 +129,13 @@ def test_a_config_this_cache_cannot_hold_is_refused_naming_it(kind, match):
 MODEL = resolve_config("llama-test")  # two layers
 
 
-def run(layout, tables, num_blocks=40, path="reference"):
+def run(layout, tables, num_blocks=40, path="reference", pipeline=None):
     """Prefill 'a' (35 tokens), then a decode row of 'a' beside 'b' hitting 'a''s first two
     blocks: the logits of both steps."""
     model = build_model(MODEL, mx.float32, seed=3)
     cache = PagedKVCache(2, num_blocks, BS, MODEL["num_key_value_heads"], MODEL["head_dim"],
                          mx.float32, layout)
-    runner = PagedModelRunner(model, cache, Dispatcher(path))
+    runner = PagedModelRunner(model, cache, Dispatcher(path), pipeline)
     windows = cache.windows
     a = list(range(5, 40))
     b = a[:32] + list(range(200, 210))
@@ -165,6 +165,17 @@ def test_groups_sharing_an_array_give_one_groups_logits(path):
     k, _ = (np.array(x).reshape(40, BS, -1) for x in got[2].kv_cache.blocks(0))
     assert k[[3, 4, 5, 9, 10, 11, 12, 20]].any(axis=(1, 2)).all()  # both groups' rows are there
     assert not np.delete(k, [3, 4, 5, 9, 10, 11, 12, 20], axis=0).any()
+
+
+def test_pipelined_forwards_over_a_shared_array_change_no_bit():
+    """Sent to the device layer by layer (the GPU default for long forwards) and waiting before
+    the shared array's second write: the same logits and cache rows as one evaluation."""
+    shared = KVLayout.of([KVGroup((0,)), KVGroup((1,))], 2)
+    at_once, sent = run(shared, TWO_GROUPS, pipeline=False), run(shared, TWO_GROUPS, pipeline=True)
+    for a, b in zip(at_once[:2], sent[:2]):
+        np.testing.assert_array_equal(b, a)
+    for a, b in zip(at_once[2].kv_cache.arrays(), sent[2].kv_cache.arrays()):
+        np.testing.assert_array_equal(np.array(b), np.array(a))
 
 
 @pytest.mark.parametrize("path", ["reference", "sdpa"])

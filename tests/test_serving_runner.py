@@ -141,6 +141,51 @@ def test_bad_step_raises_naming_the_field_and_changes_nothing(running, case):
     assert out.sampled_token_ids == [[out.sampled_token_ids[0][0]]]
 
 
+@pytest.fixture
+def running_grouped() -> VllmModelRunner:
+    """A two-group runner (window 20, full) with request 'a' (40 prompt tokens, blocks 1-3 in
+    the sliding group, 4-6 in the full one) that has sampled one token."""
+    runner = make_runner(config=GROUPED)
+    runner.execute_model(step({"a": 40}, [new("a", list(range(3, 43)), ([1, 2, 3], [4, 5, 6]))]))
+    return runner
+
+
+# hits of 48 tokens: the sliding group's first visible key is 48 - 20 + 1 = 29, in its block 1
+GROUPED_BAD_STEPS = {
+    "one block list for two groups": (
+        step({"b": 10}, [new("b", list(range(60, 70)), ([7],))]), "one block list per KV-cache"),
+    "new blocks for one of two groups": (
+        step({"a": 1}, cached_reqs=cached(["a"], [([7],)], [40])), "one block list per KV-cache"),
+    "the null block read inside the window": (
+        step({"b": 2}, [new("b", list(range(60, 110)), ([0, 0, 8, 9], [10, 11, 12, 13]),
+                            computed=48)]), "null block 0 inside its window"),
+    "the null block in the full group": (
+        step({"b": 2}, [new("b", list(range(60, 110)), ([0, 7, 8, 9], [0, 11, 12, 13]),
+                            computed=48)]), "null block 0 in its table"),
+    "a block in both groups": (
+        step({"b": 10}, [new("b", list(range(60, 70)), ([7], [7]))]),
+        "block 7 is read or written by KV-cache groups 0 and 1"),
+    "a block still inside 'a''s window": (
+        step({"b": 10}, [new("b", list(range(60, 70)), ([3], [8]))]),
+        "writes block 3, which running request 'a' holds"),
+}
+
+
+@pytest.mark.parametrize("case", list(GROUPED_BAD_STEPS))
+def test_bad_group_input_raises_naming_the_field_and_changes_nothing(running_grouped, case):
+    so, field = GROUPED_BAD_STEPS[case]
+    before = state(running_grouped)
+    with pytest.raises(ValueError, match=field):
+        running_grouped.execute_model(so)
+    assert_same_state(before, state(running_grouped))
+    # 'a''s first sliding block is behind its window (it computed 40: keys from 21 on): another
+    # request may take it, and the null block may stand for it in a hit's list
+    fine = step({"b": 10, "c": 2}, [new("b", list(range(60, 70)), ([1], [8])),
+                                    new("c", list(range(3, 53)), ([0, 2, 9, 10],
+                                                                   [4, 5, 6, 11]), computed=48)])
+    assert len(running_grouped.execute_model(fine).sampled_token_ids) == 2
+
+
 def test_more_sampling_rows_than_max_num_seqs_are_refused_before_the_forward():
     runner = make_runner(VllmConfig(scheduler_config=SchedulerConfig(
         max_num_seqs=2, max_num_batched_tokens=2048, max_model_len=2048,
