@@ -6,8 +6,11 @@ Same weights and tokens on both sides. For each model and prompt length, the pro
 50%, 87.5% and 90% of it already cached (hits rounded down to whole blocks, as vLLM's
 scheduler hands them out), prefilled by
 
-  mlx-lm    mlx-lm's own model and KVCache: the prefix prefilled once, then the suffix forwarded
-            (hidden states, the vocabulary projection of the last row only) and trimmed again;
+  mlx-lm    mlx-lm's own model and prompt cache (`make_prompt_cache`: rotating caches for
+            windowed layers): the prefix prefilled once, then the suffix forwarded (hidden
+            states, the vocabulary projection of the last row only) and trimmed again; a
+            rotating cache that cannot be trimmed back gets fresh copies of the prefix's arrays
+            before each step instead (`MlxLmStep.prepare`, untimed);
   auto      the paged runner, attention path chosen by the dispatcher, the prompt's pages one
             run of consecutive blocks (as vLLM's allocator hands them to a lone request: SDPA
             reads a cached prefix in place);
@@ -16,8 +19,9 @@ scheduler hands them out), prefilled by
   sdpa / kernel   the paged runner with the path forced (GPU only), to re-measure the rule.
 
 Both evaluate the logits and every cache write. With a GPU kernel backend the shapes are a
-1.1B Llama config at 4096 tokens and Llama-3-8B's shape at 4096 and 16384 (bf16); on the CPU,
-the demo model at 512 tokens (fp32), where only the ratios mean anything.
+1.1B Llama config at 4096 tokens and Llama-3-8B's shape at 4096 and 16384 (bf16), and (not by
+default: `--shape gemma3-1b:4096`) Gemma 3 1B's shape, sliding-window layers included; on the
+CPU, the demo model at 512 tokens (fp32), where only the ratios mean anything.
 """
 
 from __future__ import annotations
@@ -45,6 +49,42 @@ HIT_FRACTIONS = (0.0, 0.5, 0.875, 0.9)
 
 def hit_tokens(prompt_len: int, fraction: float) -> int:
     return int(prompt_len * fraction) // BLOCK_SIZE * BLOCK_SIZE
+
+
+class MlxLmStep:
+    """One timed step of mlx-lm's model over its prompt cache; `prepare` (untimed) resets the
+    cache to the prefix where trimming cannot."""
+
+    def __init__(self, model, cache: list, prompt: list[int], hit: int):
+        self.model, self.cache, self.hit, self.prompt_len = model, cache, hit, len(prompt)
+        for c in cache:
+            c.trim(c.offset)
+        if hit:
+            model.model(mx.array([prompt[:hit]]), cache=cache)
+            mx.eval([c.state for c in cache])
+        # a full rotating cache cannot be trimmed back to the prefix: keep the prefix's arrays
+        self.snapshot = None if all(c.is_trimmable() for c in cache) else [
+            (c.keys, c.values, c.offset, getattr(c, "_idx", None)) for c in cache]
+        self.suffix = mx.array([prompt[hit:]])
+
+    def prepare(self) -> None:
+        if self.snapshot is None:
+            return
+        for c, (keys, values, offset, idx) in zip(self.cache, self.snapshot):
+            # own buffers (not the snapshot's), so the step's writes go in place as in a server
+            c.keys, c.values = (None, None) if keys is None else (keys + 0, values + 0)
+            c.offset = offset
+            if idx is not None:
+                c._idx = idx
+        mx.eval([c.keys for c in self.cache if c.keys is not None])
+
+    def __call__(self) -> None:
+        hidden = self.model.model(self.suffix, cache=self.cache)[:, -1]
+        head = getattr(self.model, "lm_head", None) or self.model.model.embed_tokens.as_linear
+        mx.eval(head(hidden), [c.state for c in self.cache])
+        if self.snapshot is None:
+            for c in self.cache:
+                c.trim(self.prompt_len - self.hit)
 
 
 @dataclass
@@ -89,22 +129,11 @@ class Setup:
             "r", self.prompt, self.prompt_len, hit, self.prompt_len - hit, blocks)],
             BLOCK_SIZE, len(blocks) + 1)
 
-    def mlx_lm_prefill(self, hit: int):
+    def mlx_lm_prefill(self, hit: int) -> MlxLmStep:
         """Prefill the prefix into mlx-lm's cache (untimed); returns the timed suffix step."""
-        for c in self.cache:
-            c.trim(c.offset)
-        if hit:
-            self.dense.model(mx.array([self.prompt[:hit]]), cache=self.cache)
-            mx.eval([c.state for c in self.cache])
-        suffix = mx.array([self.prompt[hit:]])
-
-        def step():
-            hidden = self.dense.model(suffix, cache=self.cache)
-            logits = self.dense.lm_head(hidden[:, -1])
-            mx.eval(logits, [c.state for c in self.cache])
-            for c in self.cache:
-                c.trim(self.prompt_len - hit)
-        return step
+        if not all(c.is_trimmable() for c in self.cache):  # a full rotating cache: start anew
+            self.cache = make_prompt_cache(self.dense)
+        return MlxLmStep(self.dense, self.cache, self.prompt, hit)
 
     def paged_prefill(self, hit: int, path: str, layout: str = "run") -> PagedStep:
         """The timed step of a runner with its own dispatcher for `path` over the layout's

@@ -9,12 +9,17 @@ merge launch: merging inside the attention launch (as the CUDA kernel does) need
 device-scope release/acquire between threadgroups, which MSL offers only from Metal 3.2 on, and
 nothing here could check it on Apple hardware.
 
+Variants (compile-time features, each its own kernel): a sliding window (its size a column of
+the plan's work list; kv tiles left of a query tile's window are never visited, nor its keys
+there read), logit softcapping and attention sinks (a split row's sink joins in the merge).
+
 Nothing here has been run or timed on Apple hardware. The exact sources MLX would compile are
 executed on the CPU by the tests (`tests/metal_emu`), against a float64 oracle.
 """
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
 
@@ -23,7 +28,7 @@ import numpy as np
 
 from . import plan as tile_plan
 from . import sources
-from .geometry import Geometry, Lengths, dtype_name
+from .geometry import FEATURES, Geometry, Lengths, dtype_name
 from .interface import PagedAttentionKernel, Plan, refuse_unsupported
 
 # Query-tile rows (the plan's block_m): 4 simdgroups x one 8-row fragment band each; a tile
@@ -42,21 +47,34 @@ GPU_CORES = 16
 LOG2E = math.log2(math.e)
 
 
-# The kernels: kernels/paged_attention.metal and, for split tiles, kernels/split_merge.metal.
-ATTENTION = sources.mlx_kernel(
-    "paged_attention.metal",
-    sources.constants(sources.METAL, BLOCK_Q=BLOCK_Q, NUM_THREADS=NUM_THREADS) +
-    sources.columns(sources.METAL, "W_", tile_plan.WORK_COLUMNS, "WORK_COLS"))
-MERGE = sources.mlx_kernel(
-    "split_merge.metal",
-    sources.constants(sources.METAL, BLOCK_Q=BLOCK_Q, NUM_THREADS=NUM_THREADS) +
-    sources.columns(sources.METAL, "M_", tile_plan.MERGE_COLUMNS, "MERGE_COLS"))
+@functools.cache
+def attention_source(features: str) -> sources.MlxSource:
+    """kernels/paged_attention.metal for a variant's features (`Geometry.features`)."""
+    return sources.mlx_kernel("paged_attention.metal", sources.attention_prelude(
+        sources.METAL, features, BLOCK_Q=BLOCK_Q, NUM_THREADS=NUM_THREADS))
+
+
+@functools.cache
+def merge_source(sinks: bool) -> sources.MlxSource:
+    """kernels/split_merge.metal, which split tiles end with; its only feature is the sink."""
+    return sources.mlx_kernel(
+        "split_merge.metal",
+        sources.feature_flags("sinks" * sinks) +
+        sources.constants(sources.METAL, BLOCK_Q=BLOCK_Q, NUM_THREADS=NUM_THREADS) +
+        sources.columns(sources.METAL, "M_", tile_plan.MERGE_COLUMNS, "MERGE_COLS"))
+
+
+# The plain variant's kernels (no window, cap or sinks).
+ATTENTION, MERGE = attention_source(""), merge_source(False)
 
 
 @dataclass(frozen=True)
 class MetalAttentionPlan(Plan):
     tiles: tile_plan.TilePlan
-    qk_scale: mx.array  # float32 [1]: scale * log2(e), folded into Q
+    qk_scale: mx.array  # float32 [1]: scale * log2(e), folded into Q; softcapped: scale / cap
+    # the cap's input after qk_scale: softcap float32 [1] (cap * log2(e)) when the geometry has
+    # one (a window's W is a column of the work list)
+    feature_inputs: tuple[mx.array, ...]
     launch: dict  # the attention call's arguments other than its inputs
     merge_launch: dict | None  # the merge's, when the plan splits keys
 
@@ -67,6 +85,7 @@ class MetalPagedAttention(PagedAttentionKernel):
 
     name = "metal paged kernel"
     head_dims = HEAD_DIMS
+    features = FEATURES
 
     def __init__(self, metal_kernel=None):
         super().__init__(metal_kernel or mx.fast.metal_kernel)
@@ -82,7 +101,13 @@ class MetalPagedAttention(PagedAttentionKernel):
         g, seqs = geometry, lengths.seqs(seqs)
         tiles = tile_plan.build_tile_plan(lengths.cu_seqlens_q, lengths.seq_lens, g.group,
                                           g.num_kv_heads, BLOCK_Q, BLOCK_N[g.head_dim],
-                                          GPU_CORES, seqs=np.asarray(seqs))
+                                          GPU_CORES, seqs=np.asarray(seqs), window=g.window)
+        feature_inputs = ()
+        if g.softcap is not None:  # tanh takes the natural-unit logit over the cap
+            qk_scale = g.scale / g.softcap
+            feature_inputs = (mx.array([g.softcap * LOG2E], dtype=mx.float32),)
+        else:
+            qk_scale = g.scale * LOG2E
         out_shape = (lengths.num_tokens, g.num_heads, g.head_dim)
         slots = max(tiles.num_slots, 1)  # outputs cannot be empty; unused when nothing is split
         launch = dict(
@@ -98,17 +123,23 @@ class MetalPagedAttention(PagedAttentionKernel):
             output_shapes=[out_shape], output_dtypes=[g.dtype])
         return MetalAttentionPlan(
             g, lengths, block_tables, seqs, tiles=tiles,
-            qk_scale=mx.array([g.scale * LOG2E], dtype=mx.float32), launch=launch,
-            merge_launch=merge_launch)
+            qk_scale=mx.array([qk_scale], dtype=mx.float32), feature_inputs=feature_inputs,
+            launch=launch, merge_launch=merge_launch)
 
     def _kernel(self, kind: str, g: Geometry):
-        key = (kind, g.dtype, g.head_dim, g.group, g.block_size)
+        # the merge's only feature is the sink: windowed or capped variants share theirs
+        features = g.features if kind == "attention" else "sinks" * g.sinks
+        key = (kind, g.dtype, g.head_dim, g.group, g.block_size, features)
         if key not in self._kernels:
-            variant = f"{dtype_name(g.dtype)}_d{g.head_dim}_g{g.group}_b{g.block_size}"
+            used = [name for name in FEATURES if name in features.split("+")]
+            variant = "_".join([f"{dtype_name(g.dtype)}_d{g.head_dim}_g{g.group}_b{g.block_size}",
+                                *used])
+            extra = [name for name in used if name != "window"]  # W rides in the work list
             inputs, outputs, source = {
-                "attention": (["q", "k_cache", "v_cache", "block_tables", "work", "qk_scale"],
-                              ["out", "o_part", "lse_part"], ATTENTION),
-                "merge": (["o_part", "lse_part", "merge", "attn_out"], ["out"], MERGE),
+                "attention": (["q", "k_cache", "v_cache", "block_tables", "work", "qk_scale",
+                               *extra], ["out", "o_part", "lse_part"], attention_source(features)),
+                "merge": (["o_part", "lse_part", "merge", "attn_out", *extra], ["out"],
+                          merge_source(g.sinks)),
             }[kind]
             # ensure_row_contiguous (the default) copies a strided input: the runner's caches
             # (PagedKVCache's arrays, as stored) are contiguous, bound in place.
@@ -120,10 +151,12 @@ class MetalPagedAttention(PagedAttentionKernel):
     def launch(self, q: mx.array, k_cache: mx.array, v_cache: mx.array,
                plan: MetalAttentionPlan, sinks: mx.array | None = None) -> mx.array:
         g, tiles = plan.geometry, plan.tiles
+        sink_input = [sinks.astype(mx.float32)] if g.sinks else []
         out, o_part, lse_part = self._kernel("attention", g)(
-            inputs=[q, k_cache, v_cache, plan.block_tables, tiles.work, plan.qk_scale],
+            inputs=[q, k_cache, v_cache, plan.block_tables, tiles.work, plan.qk_scale,
+                    *plan.feature_inputs, *sink_input],
             **plan.launch)
         if tiles.merge is None:
             return out
-        return self._kernel("merge", g)(inputs=[o_part, lse_part, tiles.merge, out],
+        return self._kernel("merge", g)(inputs=[o_part, lse_part, tiles.merge, out, *sink_input],
                                         **plan.merge_launch)[0]

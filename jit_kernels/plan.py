@@ -14,17 +14,21 @@ Work list (int32 [num_items, WORK_COLS]), one threadblock per row:
   NTOK        tokens in the tile (1 .. block_m // group)
   POS0        absolute position of the first token (context_len + its index in the sequence)
   KV_HEAD     kv head
-  KV_START    first key of this item's range (a multiple of block_n)
+  KV_START    first key of this item's range (a multiple of block_n): 0, or with a window W
+              the kv tile holding the tile's first visible key POS0 - W + 1 (whole kv tiles
+              left of the window are never visited)
   KV_END      one past its last key; the tile's causal frontier POS0 + NTOK unless split
   SLOT        partial-output slot when the item's tile is split, else -1 (write `out` directly)
   TILE        index of the (sequence, q tile, kv head) the item belongs to
   FIRST_SLOT  first partial slot of that tile (its splits own FIRST_SLOT .. + NUM_SPLITS - 1;
               -1 when it is not split)
   NUM_SPLITS  splits of that tile (1: not split)
+  WINDOW      the window W: a windowed plan's items only (`work_columns`)
 Items are ordered longest KV range first so the long ones do not finish last.
 
 Split-KV. When too few query tiles exist to fill the GPU (a short suffix over a long prefix, a
-decode batch), each tile's key range is cut into chunks of whole kv tiles; every item then
+decode batch), each tile's key range (a window's: its in-window kv tiles only, so a decode row's
+splits follow W, not its context) is cut into chunks of whole kv tiles; every item then
 writes a partial (O normalised, log2-sum-exp per row) to its slot and the tile's partials are
 merged by log-sum-exp: inside the attention launch by the tile's last split to finish (CUDA),
 or by a merge launch over the merge list (int32 [num_tiles, MERGE_COLS]: TOK0, NTOK, KV_HEAD,
@@ -44,6 +48,13 @@ MERGE_COLUMNS = ("TOK0", "NTOK", "KV_HEAD", "FIRST_SLOT", "NUM_SPLITS")
 (SEQ, TOK0, NTOK, POS0, KV_HEAD, KV_START, KV_END, SLOT, TILE, FIRST_SLOT,
  NUM_SPLITS) = range(len(WORK_COLUMNS))
 WORK_COLS, MERGE_COLS = len(WORK_COLUMNS), len(MERGE_COLUMNS)
+WINDOW = WORK_COLS  # the column a windowed plan appends
+
+
+def work_columns(windowed: bool) -> tuple[str, ...]:
+    """The work list's columns, as a kernel's prelude names them: a windowed plan's items also
+    carry the window W."""
+    return WORK_COLUMNS + ("WINDOW",) if windowed else WORK_COLUMNS
 
 
 def column_constants(prefix: str, names: tuple[str, ...], declare: str) -> str:
@@ -56,7 +67,7 @@ def column_constants(prefix: str, names: tuple[str, ...], declare: str) -> str:
 class TilePlan:
     """One forward's work list for one (group, kv heads, tile shape) variant."""
 
-    work: mx.array  # int32 [num_items, WORK_COLS]
+    work: mx.array  # int32 [num_items, len(work_columns(windowed))]
     merge: mx.array | None  # int32 [num_tiles, MERGE_COLS]; None when nothing is split
     num_items: int
     num_tiles: int
@@ -108,18 +119,22 @@ def build_tile_plan(
     min_chunk: int = 2,
     min_items: int | None = None,
     seqs: np.ndarray | None = None,
+    window: int | None = None,
 ) -> TilePlan:
     """The work list (and merge list when KV is split) of one forward; see the module doc.
 
     KV is split when the plan has fewer than min_items (default num_sms: one per core)
     query tiles, into about num_sms * ctas_per_sm items of >= min_chunk kv tiles each.
     `seqs` (sorted batch indices) plans only those sequences: the others' rows of `out` are
-    left unwritten, for a caller that computes them another way.
+    left unwritten, for a caller that computes them another way. `window` W (None: full
+    causal) starts each tile's keys at the kv tile of its first visible key.
     """
     (seq, tok0, ntok, pos0), kv_head = _query_tiles(cu_seqlens_q, seq_lens, group, num_kv_heads,
                                                     block_m, seqs)
     kv_end = pos0 + ntok
-    kv_tiles = -(-kv_end // block_n)
+    kv_begin = np.zeros_like(kv_end) if window is None else \
+        np.maximum(pos0 - window + 1, 0) // block_n * block_n
+    kv_tiles = -(-(kv_end - kv_begin) // block_n)
     min_items = num_sms if min_items is None else min_items
     splits = split_counts(kv_tiles, min_items, num_sms * ctas_per_sm, min_chunk)
     # balanced chunks: split j of a tile covers kv tiles [j*n//k, (j+1)*n//k)
@@ -127,16 +142,18 @@ def build_tile_plan(
     j = np.arange(len(tile)) - np.repeat(np.cumsum(splits) - splits, splits)
     k = splits[tile]
     n = kv_tiles[tile]
-    start = (j * n // k) * block_n
-    end = np.minimum(((j + 1) * n // k) * block_n, kv_end[tile])
+    start = kv_begin[tile] + (j * n // k) * block_n
+    end = np.minimum(kv_begin[tile] + ((j + 1) * n // k) * block_n, kv_end[tile])
     # only split tiles own partial slots: the others write `out` directly
     split = splits > 1
     slots_per_tile = np.where(split, splits, 0)
     first_slot = np.where(split, np.cumsum(slots_per_tile) - slots_per_tile, -1)
     slot = np.where(split[tile], first_slot[tile] + j, -1)
-    work = np.stack(
-        [seq[tile], tok0[tile], ntok[tile], pos0[tile], kv_head[tile], start, end, slot, tile,
-         first_slot[tile], splits[tile]], axis=1).astype(np.int32)
+    columns = [seq[tile], tok0[tile], ntok[tile], pos0[tile], kv_head[tile], start, end, slot,
+               tile, first_slot[tile], splits[tile]]
+    if window is not None:  # past any int32 position a window hides nothing
+        columns.append(np.full_like(start, min(window, np.iinfo(np.int32).max)))
+    work = np.stack(columns, axis=1).astype(np.int32)
     work = work[np.argsort(-(work[:, KV_END] - work[:, KV_START]), kind="stable")]
     work.flags.writeable = False
     merge_host = None

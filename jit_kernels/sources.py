@@ -9,7 +9,8 @@ header, and an included `.inc` file is more body, read where it stands; in a tra
 every include is expanded where it stands (NVRTC gets no include path).
 
 In front of it all: a prelude of constants from Python (`constants`, `columns`: tile sizes,
-`plan.py`'s work-list columns), so that the sources and the planner cannot drift apart. Kernel
+`plan.py`'s work-list columns; `feature_flags`: the attention variant's features compiled in),
+so that the sources and the planner cannot drift apart. Kernel
 names carry `hash`: MLX caches compiled kernels by name (on disk too) and would silently reuse a
 stale one after a source change.
 """
@@ -24,6 +25,7 @@ from importlib import resources
 import mlx.core as mx
 
 from . import plan
+from .geometry import FEATURES
 
 CUDA, METAL = "constexpr int", "constant constexpr int"  # how a prelude declares its constants
 _INCLUDE = re.compile(r'#include "([^"]+)"\n')
@@ -44,10 +46,29 @@ def constants(declare: str, **values: int) -> str:
     return "".join(f"{declare} {name} = {value};\n" for name, value in values.items())
 
 
+def feature_flags(features: str) -> str:
+    """Prelude lines defining each of `geometry.FEATURES` as 1 where `features` (a geometry's,
+    e.g. "window+sinks") names it, else 0: a kernel compiles each in or out with `#if`, so a
+    variant without a feature is the plain kernel's text."""
+    named = set(features.split("+")) - {""}
+    unknown = named - set(FEATURES)
+    if unknown:
+        raise ValueError(f"features: {sorted(unknown)} are none of {FEATURES}")
+    return "".join(f"#define {name.upper()} {int(name in named)}\n" for name in FEATURES)
+
+
 def columns(declare: str, prefix: str, names: tuple[str, ...], count: str) -> str:
     """Prelude lines naming a list's columns, e.g. `constexpr int W_SEQ = 0;`, and their count."""
     return constants(declare, **{count: len(names)}) + \
         plan.column_constants(prefix, names, declare) + "\n"
+
+
+def attention_prelude(declare: str, features: str, **values: int) -> str:
+    """An attention kernel's prelude for a variant's features: their flags, the constants
+    `values`, and the work list's columns (a windowed plan's items carry W)."""
+    windowed = "window" in features.split("+")
+    return feature_flags(features) + constants(declare, **values) + \
+        columns(declare, "W_", plan.work_columns(windowed), "WORK_COLS")
 
 
 def half_type(dtype: mx.Dtype) -> str:

@@ -239,3 +239,25 @@ def test_failures_are_errors(source, match, monkeypatch):
     with pytest.raises(KernelError, match=match):
         run(source, [mx.zeros((4,))], [(4,)], [mx.float32], (64, 1, 1), (64, 1, 1),
             init_value=0.0)
+
+
+def test_unreadable_pages_fault_only_when_read():
+    """Pages an input marks unreadable crash the launch that reads them and no other; the
+    caller's copy stays readable."""
+    page = 4096 // 4  # floats per memory page
+    x = mx.arange(3 * page, dtype=mx.float32)
+    src = "out0[thread_position_in_grid.x] = in0[in1[0] + thread_position_in_grid.x];"
+    kernel = metal_kernel(name="t", input_names=["in0", "in1"], output_names=["out0"], source=src)
+    kernel.unreadable = {"in0": [(4 * page, 8 * page)]}  # the middle page
+
+    def read(first):
+        return kernel(inputs=[x, mx.array([first], dtype=mx.int32)], output_shapes=[(64,)],
+                      output_dtypes=[mx.float32], grid=(64, 1, 1), threadgroup=(64, 1, 1))[0]
+
+    for first in (page - 64, 2 * page):  # the pages either side
+        np.testing.assert_array_equal(np.array(read(first)), np.arange(first, first + 64))
+    with pytest.raises(KernelError, match="a page it must not read"):
+        read(page - 32)  # straddles into the middle page
+    kernel.unreadable = {"in0": [(4 * page, 4 * page + 64)]}
+    with pytest.raises(ValueError, match="not whole pages"):
+        read(0)

@@ -10,15 +10,18 @@ NaN. Planted bugs (source mutations of the real kernel strings) must each fail a
 from __future__ import annotations
 
 import itertools
+import mmap
+from dataclasses import dataclass
 
 import mlx.core as mx
 import numpy as np
 import pytest
 
+import reference
 from jit_kernels import metal_backend
 from jit_kernels import metal_paged_attention as metal_attention
 from jit_kernels import plan as tile_plan
-from jit_kernels.geometry import BLOCK_SIZES, MAX_GROUP, Geometry
+from jit_kernels.geometry import BLOCK_SIZES, FEATURES, MAX_GROUP, Geometry
 from jit_kernels.page_gather import plan_gather
 from tests.conftest import TOLERANCES, PagedCase, assert_close
 from tests.metal_emu import KernelError, build, metal_kernel
@@ -27,12 +30,15 @@ from tests.metal_emu.source import mlx_printed_source
 pytestmark = pytest.mark.emulated
 
 DTYPES = {"fp16": mx.float16, "bf16": mx.bfloat16}
+# every variant's features but the plain one's, as `Geometry.features` spells them
+FEATURE_SETS = ["+".join(name for name, on in zip(FEATURES, mask) if on)
+                for mask in itertools.product((False, True), repeat=len(FEATURES))][1:]
 
 
-def run_attention(case: PagedCase, g: Geometry, kernel_factory=metal_kernel):
+def run_attention(case: PagedCase, g: Geometry, kernel_factory=metal_kernel, sinks=None):
     """The Metal backend's paged attention with its kernels built by `kernel_factory` (the
     emulation, or a compile-only or mutated stand-in): the one place that knows its API."""
-    out, plan = case.attend(metal_backend(kernel_factory).attention, g)
+    out, plan = case.attend(metal_backend(kernel_factory).attention, g, sinks=sinks)
     return out, plan.tiles
 
 
@@ -71,7 +77,9 @@ class RecordedLaunches:
 @pytest.fixture(scope="module")
 def every_variant() -> RecordedLaunches:
     """dtype x head dim x GQA group x block size, each with its merge (a split plan) and page
-    gather; plus a block table and a merge list under 8 ints (passed as `constant`)."""
+    gather; plus a block table and a merge list under 8 ints (passed as `constant`); every
+    variant's features (window, softcap, sinks and their combinations) x dtype x head dim at
+    three (group, block size) pairs, each split (the sinks' merge)."""
     recorder = RecordedLaunches()
     for dtype, head_dim, group, bs in itertools.product(
             DTYPES.values(), metal_attention.HEAD_DIMS, range(1, MAX_GROUP + 1), BLOCK_SIZES):
@@ -79,6 +87,15 @@ def every_variant() -> RecordedLaunches:
         case = PagedCase([1], [300], 2 * group, 2, head_dim, bs, dtype)
         run_attention(case, g, recorder)
         run_gather(case, g, recorder)
+    for features, dtype, head_dim, (group, bs) in itertools.product(
+            FEATURE_SETS, DTYPES.values(), metal_attention.HEAD_DIMS,
+            ((1, 8), (3, 16), (8, 32))):
+        on = features.split("+")
+        g = Geometry(2 * group, 2, head_dim, bs, dtype, head_dim ** -0.5,
+                     window=100 if "window" in on else None,
+                     softcap=5.0 if "softcap" in on else None, sinks="sinks" in on)
+        case = PagedCase([1], [300], 2 * group, 2, head_dim, bs, dtype, window=g.window)
+        run_attention(case, g, recorder, mx.zeros((2 * group,)) if g.sinks else None)
     small = PagedCase([1], [100], 2, 1, 64, 32, mx.float16)  # a 1 x 6 table, one merged tile
     run_attention(small, Geometry(2, 1, 64, 32, mx.float16, 0.125), recorder)
     gather_f32 = PagedCase([3], [20], 2, 1, 64, 16, mx.float32)
@@ -89,6 +106,9 @@ def every_variant() -> RecordedLaunches:
     assert kinds["attention"] > variants and kinds["merge"] > variants, kinds
     assert kinds["gather"] > 2 * len(BLOCK_SIZES), kinds
     assert {k for k in kinds for n in names if k in n and "_int32_tc_" in n} >= {"attention", "merge"}
+    for features in FEATURE_SETS:  # MLX puts "__" after the kernel's name
+        assert any(f"_{features.replace('+', '_')}__" in n for n in names), features
+    assert any("merge" in n and "_sinks__" in n for n in names)
     return recorder
 
 
@@ -123,24 +143,68 @@ def report_worst_errors(request):
             plugins.get_plugin("terminalreporter").write_line(f"\nemulated Metal vs oracle: {worst}")
 
 
+@dataclass(frozen=True)
+class Checked:
+    tiles: tile_plan.TilePlan
+    guarded: int  # blocks left of the window that a read would have crashed on
+
+
+def left_of_window(case: PagedCase, window: int | None) -> list[int]:
+    """The blocks wholly left of their sequence's first visible key (PagedCase poisons them)."""
+    ctx = case.seq_lens - np.diff(case.cu_seqlens_q)
+    first = reference.key_start(ctx, window) // case.block_size
+    return sorted(int(b) for s, n in enumerate(first) for b in case.tables[s, :n])
+
+
+def unreadable(blocks: list[int], case: PagedCase, kernel_factory):
+    """`kernel_factory` whose attention kernels may not read `blocks` of either cache: a read
+    there crashes the launch (tests/metal_emu). Blocks must be whole memory pages."""
+    page = case.k_cache[0].nbytes
+    spans = [(b * page, (b + 1) * page) for b in blocks]
+
+    def factory(**kw):
+        kernel = kernel_factory(**kw)
+        if "k_cache" in kw["input_names"]:
+            kernel.unreadable = {"k_cache": spans, "v_cache": spans}
+        return kernel
+
+    return factory
+
+
+def protectable(case: PagedCase) -> bool:
+    """Whether a cache block is whole memory pages (so `unreadable` can guard it)."""
+    return case.k_cache[0].nbytes % mmap.PAGESIZE == 0
+
+
 def check(q_lens, ctx_lens, num_heads, num_kv_heads, head_dim, block_size, dtype, seed=0,
-          q_scale=1.0, kernel_factory=metal_kernel):
-    """Runs one case against the oracle; returns its tile plan."""
+          q_scale=1.0, kernel_factory=metal_kernel, window=None, softcap=None, sinks=None,
+          k_ramp=0.0):
+    """Runs one case against the oracle; returns its tile plan and how many blocks left of the
+    window were guarded. `sinks`: one float per head. With a window, the blocks left of it hold
+    NaN and, where a block is whole memory pages, a read of them crashes the launch."""
     case = PagedCase(q_lens, ctx_lens, num_heads, num_kv_heads, head_dim, block_size, dtype,
-                     seed=seed, q_scale=q_scale)
+                     seed=seed, q_scale=q_scale, window=window, k_ramp=k_ramp)
     poisoned = ~np.isfinite(np.array(case.k_cache[:, 0, 0, 0].astype(mx.float32)))
     pages = np.array([len(p) for p in case.pages])[:, None]
     padding = np.arange(case.tables.shape[1])[None, :] >= pages
     assert poisoned[case.tables[padding]].all(), "padded block-table entries must be poisoned"
-    g = Geometry(num_heads, num_kv_heads, head_dim, block_size, dtype, head_dim ** -0.5)
-    out, tiles = run_attention(case, g, kernel_factory)
-    want = case.oracle(g.scale)
-    assert_close(out, want, dtype, f"q={q_lens} ctx={ctx_lens} D={head_dim} bs={block_size}")
+    hidden = left_of_window(case, window)
+    assert poisoned[hidden].all(), "blocks left of the window must be poisoned"
+    guarded = hidden if protectable(case) else []
+    if guarded:
+        kernel_factory = unreadable(guarded, case, kernel_factory)
+    g = Geometry(num_heads, num_kv_heads, head_dim, block_size, dtype, head_dim ** -0.5,
+                 window=window, softcap=softcap, sinks=sinks is not None)
+    sinks = None if sinks is None else mx.array(np.asarray(sinks, dtype=np.float32))
+    out, tiles = run_attention(case, g, kernel_factory, sinks)
+    want = case.oracle(g.scale, window, softcap, sinks)
+    assert_close(out, want, dtype, f"q={q_lens} ctx={ctx_lens} D={head_dim} bs={block_size} "
+                 f"{g.features}")
     atol, rtol = TOLERANCES[dtype]
     err = np.abs(np.array(out.astype(mx.float32)).astype(np.float64) - want)
     worst = WORST.setdefault(str(dtype).split(".")[-1], [0.0, 0.0])
     worst[:] = max(worst[0], err.max()), max(worst[1], (err / (atol + rtol * np.abs(want))).max())
-    return tiles
+    return Checked(tiles, len(guarded))
 
 
 # A prefix ending mid-page, a decode row at a page boundary, a chunk over several KV tiles, and a
@@ -178,7 +242,7 @@ CASES = {
 
 @pytest.mark.parametrize("name", CASES)
 def test_case_matches_oracle(name):
-    tiles = check(**CASES[name])
+    tiles = check(**CASES[name]).tiles
     if name == "splits_32":
         assert int(tiles.work_host[:, tile_plan.NUM_SPLITS].max()) == 32
     if name == "decode_rows":
@@ -197,12 +261,14 @@ def test_page_gather_is_a_copy(dtype):
 
 # --- planted bugs: each source mutation fails a named case ---------------------------------
 
-def mutated(old: str, new: str):
-    """A `metal_kernel` whose source and header have `old` replaced by `new`."""
+def mutated(*edits: tuple[str, str]):
+    """A `metal_kernel` whose source and header have each edit's old text replaced by its new,
+    in turn."""
 
     def factory(**kw):
         for key in ("source", "header"):
-            kw[key] = kw.get(key, "").replace(old, new)
+            for old, new in edits:
+                kw[key] = kw.get(key, "").replace(old, new)
         return metal_kernel(**kw)
 
     return factory
@@ -241,7 +307,7 @@ def test_planted_bug_is_caught(bug):
                for text in (kernel.header, kernel.source)]
     assert any(old in src for src in sources), f"{bug}: the kernels changed, update its mutation"
     with pytest.raises((AssertionError, KernelError)):
-        check(**CASES[case], kernel_factory=mutated(old, new))
+        check(**CASES[case], kernel_factory=mutated((old, new)))
 
 
 # --- the first-use check catches a broken kernel before it serves a forward -------------------
@@ -256,7 +322,7 @@ def test_canary_catches_a_broken_metal_kernel(bug, strict, monkeypatch, caplog):
     from paged_prefix import dispatch
     from paged_prefix.metadata import build_attention_metadata
 
-    backend = metal_backend(mutated(*PLANTED_BUGS[bug][0]))
+    backend = metal_backend(mutated(PLANTED_BUGS[bug][0]))
     d = dispatch.Dispatcher("auto", backends={"metal": backend}, strict=strict)
     case = PagedCase([9, 1], [40, 70], 8, 2, 64, 16, mx.float16, seed=4)
     meta = build_attention_metadata([9, 1], [40, 70], case.pages, 16, case.num_blocks)

@@ -7,17 +7,24 @@
 // Inputs:  q [T, H, D] T; k_cache, v_cache [num_blocks, BS, Hkv, D] T, or the same bytes in
 //          any dtype (a PagedKVCache's 4-byte words); block_tables [S, max_blocks] int32
 //          (constant when it has under 8 elements); work [num_items, WORK_COLS] int32
-//          (plan.py); qk_scale float32 [1]: scale * log2(e), folded into Q.
+//          (plan.py; with WINDOW its W_WINDOW column holds W); qk_scale float32 [1]:
+//          scale * log2(e), folded into Q (with SOFTCAP, scale / cap). Per feature: softcap
+//          float32 [1] (SOFTCAP: cap * log2(e)); sinks float32 [H] (SINKS: a logit per head).
 // Outputs: out [T, H, D] T (unsplit tiles); o_part [slots, BLOCK_Q, D] float32, lse_part
 //          [slots, BLOCK_Q] float32: a split's output normalised by its own row sum and its
-//          log2-sum-exp (-inf: no key).
+//          log2-sum-exp (-inf: no key), without the sink (the merge adds it).
 // Grid:    a threadgroup of NUM_THREADS (four simdgroups, an 8-row band each) per work item.
 // Template: T, HEAD_DIM, GROUP, BS (block size), BN (keys per K/V tile). Injected: BLOCK_Q,
-//          NUM_THREADS, WORK_COLS and the W_ columns.
+//          NUM_THREADS, WORK_COLS and the W_ columns; the features WINDOW, SOFTCAP and
+//          SINKS (0 or 1: a plain variant's preprocessed text is the kernel without them).
 // Sentinels: a work item's SLOT -1: its tile is not split, its rows go to out; row_off -1: a
 //          key past KV_END, zero-filled; lse_part -inf: a split saw no key.
 // Threadgroup memory: K and V tiles [BN][HEAD_DIM + PAD] (16-byte row padding), the page
 //          offsets of this tile's keys and the next's, row_off [2][BN] (-1: past the keys).
+// Window: row r (position p) sees keys p - W + 1 .. p. Whole kv tiles below the tile's first
+//          row's window (kv_lo) are never visited and its keys below kv_lo never read (their
+//          pages may be vLLM's null block or another request's): zero-filled like padding.
+//          Only tiles on the window's edge or the diagonal are masked per element.
 #include "metal_common.h"
 
   constexpr int D = HEAD_DIM, TD = D / 8, TK = BN / 8;
@@ -34,7 +41,16 @@
   const uint lane = thread_index_in_simdgroup;
   auto item = work + threadgroup_position_in_grid.x * WORK_COLS;
   const int seq = item[W_SEQ], tok0 = item[W_TOK0], ntok = item[W_NTOK], pos0 = item[W_POS0];
+#if WINDOW
+  const int win = item[W_WINDOW];
+  const int kv_lo = max(pos0 - win + 1, 0);  // the first key any row of this tile sees
+  // the item's range from the kv tile holding kv_lo: tiles wholly left of it are never read
+  const int kvh = item[W_KV_HEAD], kv_start = max(item[W_KV_START], kv_lo / BN * BN);
+  const int kv_end = item[W_KV_END];
+  const int edge_to = pos0 + ntok - win;  // keys below it are left of some row's window
+#else
   const int kvh = item[W_KV_HEAD], kv_start = item[W_KV_START], kv_end = item[W_KV_END];
+#endif
   const int slot = item[W_SLOT];
   const int num_heads = q_shape[1];
   const int num_kv_heads = num_heads / GROUP;
@@ -52,6 +68,9 @@
   const bool row_valid = r < rows;
   const bool sg_active = int(sg) * 8 < rows;  // simdgroup-uniform: idle bands only load
   const int row_pos = pos0 + r / GROUP;       // absolute position: sees keys 0 .. row_pos
+#if WINDOW
+  const int row_lo = row_pos - win + 1;       // ... from row_lo on
+#endif
   const long q_off = (long(tok0 + r / GROUP) * num_heads + kvh * GROUP + r % GROUP) * D + fn;
 
   simdgroup_float8x8 q_frag[TD], o_acc[TD];
@@ -77,7 +96,11 @@
       const int j = c / (D / 4), d = (c % (D / 4)) * 4;
       const long off = row_off[buf][j];
       vec<T, 4> kv = vec<T, 4>(T(0.0f)), vv = vec<T, 4>(T(0.0f));
+#if WINDOW
+      if (off >= 0 && n0 + j >= kv_lo) {  // zero left of the window too: its pages are not ours
+#else
       if (off >= 0) {  // zero past the keys: masked P * V must stay finite
+#endif
         kv = *(const device vec<T, 4>*)(kc + off + d);
         vv = *(const device vec<T, 4>*)(vc + off + d);
       }
@@ -104,11 +127,26 @@
         simdgroup_multiply_accumulate(s_acc[tk], q_frag[td], k_frag, s_acc[tk]);
       }
     }
+#if SOFTCAP
+    // S holds scale * q.k / cap: cap * tanh(.) in natural units (softcap[0] = cap * log2 e
+    // takes it to log2 units), before the max sees it
+    PP_UNROLL for (int tk = 0; tk < TK; ++tk) {
+      s_acc[tk].thread_elements()[0] = softcap[0] * tanh(s_acc[tk].thread_elements()[0]);
+      s_acc[tk].thread_elements()[1] = softcap[0] * tanh(s_acc[tk].thread_elements()[1]);
+    }
+#endif
+#if WINDOW
+    if (n0 + BN > mask_from || n0 < edge_to) {  // the diagonal's or the window's edge
+#else
     if (n0 + BN > mask_from) {  // diagonal, split-edge or last tile: mask by position
+#endif
       PP_UNROLL for (int tk = 0; tk < TK; ++tk) {
         PP_UNROLL for (int e = 0; e < 2; ++e) {
           const int key = n0 + tk * 8 + fn + e;
           if (key > row_pos || key >= kv_end) s_acc[tk].thread_elements()[e] = NEG_INF;
+#if WINDOW
+          if (key < row_lo) s_acc[tk].thread_elements()[e] = NEG_INF;
+#endif
         }
       }
     }
@@ -146,6 +184,18 @@
   }
 
   if (!row_valid) return;
+#if SINKS
+  if (slot < 0) {  // the sink joins the max and the sum once per row: a split's in the merge
+    const float sink = sinks[kvh * GROUP + r % GROUP] * M_LOG2E_F;
+    const float top = max(m_run, sink);
+    const float rescale = exp2(m_run - top);
+    l_run = l_run * rescale + exp2(sink - top);
+    PP_UNROLL for (int td = 0; td < TD; ++td) {
+      o_acc[td].thread_elements()[0] *= rescale;
+      o_acc[td].thread_elements()[1] *= rescale;
+    }
+  }
+#endif
   const float inv = l_run > 0.0f ? 1.0f / l_run : 0.0f;
   if (slot < 0) {
     device T* dst = out + q_off;

@@ -5,13 +5,14 @@
 //
 // Inputs:  o_part, lse_part: the attention launch's; merge [num_tiles, MERGE_COLS] int32
 //          (plan.py; constant when it has under 8 elements); attn_out [T, H, D] T: the
-//          attention launch's `out`, final for unsplit tiles.
+//          attention launch's `out`, final for unsplit tiles (their sinks included); with
+//          SINKS, sinks float32 [H]: a split row's sink joins its max and sum here, once.
 // Output:  out [T, H, D] T.
 // Grid:    a threadgroup of NUM_THREADS per tile; a simdgroup per row, columns lane + 32 j.
 //          An unsplit tile (FIRST_SLOT -1) only copies its rows over: outputs start
 //          uninitialised.
-// Template: T, HEAD_DIM, GROUP, NUM_HEADS. Injected: BLOCK_Q, NUM_THREADS, MERGE_COLS and the
-//          M_ columns.
+// Template: T, HEAD_DIM, GROUP, NUM_HEADS. Injected: BLOCK_Q, NUM_THREADS, MERGE_COLS, the
+//          M_ columns and SINKS (0 or 1).
 #include "metal_common.h"
 
   constexpr int D = HEAD_DIM, PER_LANE = D / 32;
@@ -28,8 +29,15 @@
     }
     float top = NEG_INF;
     for (int s = 0; s < nsplit; ++s) top = max(top, lse_part[long(first + s) * BLOCK_Q + row]);
+#if SINKS
+    const float sink = sinks[kvh * GROUP + row % GROUP] * M_LOG2E_F;  // a weight, no value
+    top = max(top, sink);
+#endif
     const float base = top == NEG_INF ? 0.0f : top;
     float acc[PER_LANE] = {0.0f}, sum = 0.0f;
+#if SINKS
+    sum = exp2(sink - base);
+#endif
     for (int s = 0; s < nsplit; ++s) {
       const long part = long(first + s) * BLOCK_Q + row;
       const float w = exp2(lse_part[part] - base);

@@ -79,6 +79,9 @@ class EmulatedKernel:
         self.name, self.input_names, self.output_names = name, list(input_names), list(output_names)
         self.source, self.header = source, header
         self.ensure_row_contiguous, self.atomic_outputs = ensure_row_contiguous, atomic_outputs
+        # input name -> [(start, stop)] byte ranges no launch may read (whole memory pages of
+        # the input's buffer); set by a test, not by MLX's API
+        self.unreadable: dict[str, list[tuple[int, int]]] = {}
 
     def assemble(self, inputs, output_dtypes, template):
         """MLX's source for these inputs (arrays or scalars), output dtypes and template."""
@@ -108,10 +111,12 @@ class EmulatedKernel:
         outputs = {n: _output(s, d, init_value)
                    for n, s, d in zip(self.output_names, output_shapes, output_dtypes)}
         buffers = [_buffer(p.name, data, outputs) for p in assembled.params if not p.attribute]
+        unreadable = [run.page_span(data[n], start, stop)
+                      for n, spans in self.unreadable.items() for start, stop in spans]
         _launches += 1
         run.launch(library, buffers, tuple(grid), tuple(threadgroup),
                    seed=OPTIONS.seed * 1_000_003 + _launches, concurrency=OPTIONS.concurrency,
-                   jitter=OPTIONS.jitter, timeout=OPTIONS.timeout)
+                   jitter=OPTIONS.jitter, timeout=OPTIONS.timeout, unreadable=unreadable)
         return [_from_numpy(outputs[n], d, s)
                 for n, d, s in zip(self.output_names, output_dtypes, output_shapes)]
 

@@ -4,6 +4,8 @@ The child shares the parent's memory copy-on-write, so inputs need no copy; outp
 shared anonymous mappings that the child writes in place. A crash (out-of-bounds access), a
 failed emulation check (divergent barrier, threadgroup memory over the limit) or a hang (a
 barrier some thread never reaches) ends only the child and comes back as a KernelError.
+Pages of an input a kernel must never read (`unreadable`) are made inaccessible in the child
+alone: a read there is a crash, and the parent's copy stays readable.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ import numpy as np
 
 _ERROR_BYTES = 1024
 _KERNEL_FAILED = 3  # runtime.cpp's fail()
+_PROTECT_FAILED = 5  # mprotect of an unreadable span
 
 
 class KernelError(RuntimeError):
@@ -102,8 +105,19 @@ def _wait(pid: int, timeout: float) -> int | None:
     return os.waitpid(pid, 0)[1]
 
 
+def page_span(buffer: np.ndarray, start: int, stop: int) -> tuple[int, int]:
+    """(address, bytes) of bytes start:stop of `buffer`, which must be whole memory pages:
+    a range only partly protected would prove nothing about its other bytes."""
+    address = buffer.ctypes.data + start
+    if start < 0 or stop > buffer.nbytes or address % mmap.PAGESIZE or (stop - start) % mmap.PAGESIZE:
+        raise ValueError(f"unreadable: bytes {start}:{stop} of a {buffer.nbytes}-byte buffer at "
+                         f"{buffer.ctypes.data:#x} are not whole pages of {mmap.PAGESIZE}")
+    return address, stop - start
+
+
 def launch(library: Path, buffers: list[np.ndarray], grid, threadgroup, *, seed: int,
-           concurrency: int, jitter: int, timeout: float) -> None:
+           concurrency: int, jitter: int, timeout: float, unreadable=()) -> None:
+    """`unreadable`: (address, bytes) spans (`page_span`) that no thread may touch."""
     lib = _library(library)
     pointers = (ctypes.c_void_p * len(buffers))(*[b.ctypes.data for b in buffers])
     dims = (ctypes.c_uint * 6)(*grid, *threadgroup)
@@ -113,6 +127,9 @@ def launch(library: Path, buffers: list[np.ndarray], grid, threadgroup, *, seed:
         code = 4
         faulthandler.disable()  # a crash is reported by the parent, not dumped by the child
         try:
+            for address, nbytes in unreadable:
+                if _libc.mprotect(ctypes.c_void_p(address), ctypes.c_size_t(nbytes), _PROT_NONE):
+                    os._exit(_PROTECT_FAILED)
             code = lib.msl_emu_launch(pointers, dims, seed, concurrency, jitter,
                                       error.ctypes.data, _ERROR_BYTES)
         finally:
@@ -125,10 +142,14 @@ def launch(library: Path, buffers: list[np.ndarray], grid, threadgroup, *, seed:
                           "some thread never reaches?")
     if os.WIFSIGNALED(status):
         name = signal.Signals(os.WTERMSIG(status)).name
-        raise KernelError(f"the kernel crashed ({name}): an out-of-bounds or misaligned access?")
+        read = ", or a read of a page it must not read" if unreadable else ""
+        raise KernelError(f"the kernel crashed ({name}): an out-of-bounds or misaligned "
+                          f"access{read}?")
     code = os.WEXITSTATUS(status)
     if code == _KERNEL_FAILED:
         raise KernelError(bytes(error).split(b"\0", 1)[0].decode(errors="replace"))
+    if code == _PROTECT_FAILED:
+        raise KernelError("the pages a kernel must not read could not be protected")
     if code != 0:
         raise KernelError(f"the launch failed (exit status {code})")
     for i, buffer in enumerate(buffers):

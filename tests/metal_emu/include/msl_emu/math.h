@@ -8,6 +8,9 @@
 
 #include "types.h"
 
+// <metal_math>'s constants (float versions) that kernels here use.
+#define M_LOG2E_F 1.4426950408889634074f
+
 namespace metal {
 
 #define MSL_MATH_1(NAME, EXPR)                                                         \
