@@ -1,6 +1,7 @@
 """The vLLM boundary: vLLM's model-runner contract on top of `PagedModelRunner`.
 
-    initialize_kv_cache(KVCacheConfig)           allocate the paged cache vLLM sized
+    layer_windows() -> per layer W or None       each layer's sliding window (its vLLM spec)
+    initialize_kv_cache(KVCacheConfig)           allocate the paged cache vLLM sized and grouped
     run_forward(SchedulerOutput) -> None         the forward; output follows in sample_tokens
                                    | ModelRunnerOutput   (nothing scheduled: no sampling step)
     sample_tokens(grammar_output) -> ModelRunnerOutput
@@ -35,7 +36,7 @@ import numpy as np
 import torch
 from vllm.config import VllmConfig
 from vllm.v1.core.sched.output import GrammarOutput, SchedulerOutput
-from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig
+from vllm.v1.kv_cache_interface import KVCacheConfig
 from vllm.v1.outputs import EMPTY_MODEL_RUNNER_OUTPUT, LogprobsTensors, ModelRunnerOutput
 
 from . import prompt_logprobs, warmup
@@ -43,9 +44,11 @@ from .architectures import architecture
 from .dispatch import Dispatcher
 from .hybrid_groups import CacheGroups, HybridLimits, kernel_block_size
 from .kv_cache import PagedKVCache
+from .kv_groups import cache_layout
+from .kv_layout import KVLayout
 from .metadata import BatchMetadata
 from .requests import Limits, RequestState, StepPlan, plan_step, with_sampled
-from .runner import PagedModelRunner
+from .runner import PagedModelRunner, attention_of
 from .state_cache import RecurrentStateCache
 from .state_metadata import StateLedger, commit
 from .vllm_sampling import BatchSampler, SamplingRow, grammar_rows, in_output_order
@@ -71,22 +74,28 @@ class VllmModelRunner:
         self._pending: tuple[StepPlan, mx.array, dict[str, LogprobsTensors]] | None = None
         self._last_step_end: float | None = None  # for the debug log's time between steps
 
+    def layer_windows(self) -> tuple[int | None, ...]:
+        """Each layer's sliding window as the runner attends with it (None: full attention),
+        from its architecture (`runner.attention_of`)."""
+        return tuple(layer.window for layer in attention_of(self.model)[1] if layer is not None)
+
     def initialize_kv_cache(self, kv_cache_config: KVCacheConfig) -> None:
+        """The cache vLLM's config describes (`kv_groups.cache_layout` checks it): its groups,
+        their windows, and no more memory than its tensors hold; a hybrid model's
+        (`_initialize_hybrid`) its attention group and its state groups."""
         recurrent = architecture(self.model.args.model_type).recurrent(self.model)
         if any(recurrent):
             self._initialize_hybrid(kv_cache_config, recurrent)
             return
-        groups = kv_cache_config.kv_cache_groups
-        if len(groups) != 1 or not isinstance(groups[0].kv_cache_spec, FullAttentionSpec):
-            raise ValueError("kv_cache_config: exactly one full-attention KV-cache group is supported")
-        spec = groups[0].kv_cache_spec
-        if len(groups[0].layer_names) != len(self.model.layers):
-            raise ValueError(f"kv_cache_config: {len(groups[0].layer_names)} layers for a "
-                             f"{len(self.model.layers)}-layer model")
-        cache = self._kv_cache(spec, len(self.model.layers), kv_cache_config.num_blocks,
-                               spec.block_size)
+        layout, spec = cache_layout(kv_cache_config, self.layer_windows())
+        cache = self._kv_cache(spec, layout.num_layers, kv_cache_config.num_blocks,
+                               spec.block_size, layout)
         self._start(cache, None, Limits(self.vocab_size, cache.block_size, cache.num_blocks,
-                                        self.sampler.max_rows))
+                                        self.sampler.max_rows, cache.windows))
+        if len(layout.groups) > 1:
+            logger.info("paged_prefix: %d KV-cache groups (windows %s) over %d array pairs for "
+                        "%d layers", len(layout.groups), list(cache.windows), layout.num_arrays,
+                        layout.num_layers)
 
     def _initialize_hybrid(self, config: KVCacheConfig, recurrent: list) -> None:
         """A hybrid model (docs/hybrid.md): the attention layers' K/V in kernel blocks, r to a
@@ -109,12 +118,13 @@ class VllmModelRunner:
                     len(groups.states), groups.state_block_size, states.nbytes / 2**20,
                     sorted({str(d) for s in groups.state_specs for d in s.dtypes}))
 
-    def _kv_cache(self, spec, num_layers: int, num_blocks: int, block_size: int) -> PagedKVCache:
+    def _kv_cache(self, spec, num_layers: int, num_blocks: int, block_size: int,
+                  layout: KVLayout | None = None) -> PagedKVCache:
         if spec.dtype not in TORCH_TO_MLX:
             raise ValueError(f"kv_cache_config: dtype {spec.dtype} is not one of {list(TORCH_TO_MLX)}")
         return PagedKVCache(num_layers=num_layers, num_blocks=num_blocks, block_size=block_size,
                             num_kv_heads=spec.num_kv_heads, head_dim=spec.head_size,
-                            dtype=TORCH_TO_MLX[spec.dtype])
+                            dtype=TORCH_TO_MLX[spec.dtype], layout=layout)
 
     def _start(self, cache: PagedKVCache, states: RecurrentStateCache | None,
                limits: Limits) -> None:
@@ -220,7 +230,7 @@ class VllmModelRunner:
     def _log_forward(self, meta: BatchMetadata, start: float, built: float) -> None:
         """Where a step's time goes, for TTFT questions: its shape, the attention path (and
         for SDPA where its K/V came from), the forward's time and the idle time before it."""
-        q = meta.attn.q_lens_host
+        q = meta.groups[0].attn.q_lens_host
         d = self.runner.dispatcher
         sources = d.last.summary()
         attention = f"{d.last.path} attention" + (f" (sequences: {sources})" if sources else "")
@@ -229,7 +239,7 @@ class VllmModelRunner:
         logger.debug("step: %d sequences (%d of one token), %d tokens after %d already in the "
                      "cache, %s; forward %.1f ms (%.1f ms of it building the graph)%s",
                      len(q), int((q == 1).sum()), int(q.sum()),
-                     int(meta.attn.context_lens_host.sum()), attention,
+                     int(meta.groups[0].attn.context_lens_host.sum()), attention,
                      1e3 * (time.perf_counter() - start), 1e3 * (built - start), idle)
 
 

@@ -145,7 +145,7 @@ def test_a_step_splits_vllms_lists_into_kernel_blocks_and_state_rows(tmp_path):
     prompt = list(range(3, 73))  # 70 tokens: state blocks at 32, 64, 70
     plan = s.plan({}, step({"a": 64}, [new("a", prompt, s.lists([4, 5], [0, 7]))]))
     a = plan.requests["a"]
-    assert a.block_ids == (8, 9, 10, 11)  # vLLM block b = kernel blocks 2b, 2b + 1
+    assert a.block_ids == ((8, 9, 10, 11),)  # vLLM block b = kernel blocks 2b, 2b + 1
     assert a.state_rows == ((0, 7), (0, 17), (0, 27))
     rows = plan.meta.states.groups
     assert [r.dst_host.tolist() for r in rows] == [[7], [17], [27]]
@@ -153,7 +153,7 @@ def test_a_step_splits_vllms_lists_into_kernel_blocks_and_state_rows(tmp_path):
     # the next chunk reads the state after 64 tokens from row index 1, writes index 2
     plan = s.plan(plan.requests, step({"a": 6}, cached_reqs=cached(
         ["a"], [s.lists([6], [8])], [64])))
-    assert plan.requests["a"].block_ids[-2:] == (12, 13)
+    assert plan.requests["a"].block_ids[0][-2:] == (12, 13)
     assert [r.src_host.tolist() + r.dst_host.tolist() for r in plan.meta.states.groups] == \
         [[7, 8], [17, 18], [27, 28]]
 
@@ -178,7 +178,7 @@ def test_a_request_resumed_without_its_state_is_refused_before_anything_runs(tmp
     prompt = list(range(3, 73))
     plan = s.plan({}, step({"a": 64}, [new("a", prompt, s.lists([4, 5, 6], [0, 7, 0]))]))
     live = plan_step(plan.requests, step({}, preempted=["a"]), s.limits, s.ledger).requests
-    assert live["a"].block_ids == () and live["a"].state_rows == ()
+    assert live["a"].block_ids == ((),) and live["a"].state_rows == ()
     resumed = step({"a": 6}, cached_reqs=cached(["a"], [s.lists([4, 5, 6], [0, 9, 3])], [64],
                                                 resumed=["a"]))
     with pytest.raises(ValueError, match=r"^num_computed_tokens \('a'\): 64 tokens computed, "

@@ -126,8 +126,9 @@ class MLXPlatform(Platform):
 
     @classmethod
     def support_hybrid_kv_cache(cls) -> bool:
-        """vLLM's hybrid KV-cache manager: per-group block lists, which a hybrid model's state
-        groups need (without it vLLM cannot group MambaSpecs beside attention at all)."""
+        """vLLM's hybrid KV-cache manager: per-group block tables, sliding-window groups whose
+        blocks it frees outside the window (the runner reads none of them), and a hybrid
+        model's state groups (without it vLLM cannot group MambaSpecs beside attention)."""
         return True
 
     @classmethod

@@ -27,6 +27,7 @@ from .. import cpu_blas, hybrid_config, precision
 from ..architectures import architecture
 from ..dispatch import Dispatcher
 from ..hybrid_groups import kernel_block_size
+from ..kv_groups import LAYOUT, layer_specs
 from ..model_loader import load_model
 from ..vllm_runner import TORCH_TO_MLX, VllmModelRunner
 from . import mirror_vllm_logging
@@ -100,11 +101,14 @@ class MLXWorker(WorkerBase):
             dtype=kv_cache_dtype_str_to_dtype(self.cache_config.cache_dtype, self.model_config))
 
     def get_kv_cache_spec(self) -> dict[str, KVCacheSpec]:
-        spec = self._spec()
+        """Each layer's spec: full attention, or its sliding window (`kv_groups.py`); a hybrid
+        model's attention and state layers (`_hybrid_specs`)."""
         hybrid_specs = self._hybrid_specs()
         if hybrid_specs is not None:
             return hybrid_specs
-        return {f"model.layers.{i}.self_attn.attn": spec for i in range(len(self.runner.model.layers))}
+        page = self._spec()
+        return layer_specs(self.runner.layer_windows(), page.block_size, page.num_kv_heads,
+                           page.head_size, page.dtype)
 
     def _hybrid_specs(self) -> dict[str, KVCacheSpec] | None:
         """A hybrid model's layers: attention pages, and a MambaSpec per recurrent layer in the
@@ -122,8 +126,7 @@ class MLXWorker(WorkerBase):
             cache.mamba_page_size_padded, cache.mamba_cache_mode)
 
     def get_supported_kv_cache_layouts(self) -> list[str]:
-        # Per layer [num_blocks, block_size, num_kv_heads, head_dim], vllm-metal's layout.
-        return ["LBNHC"]
+        return [LAYOUT]
 
     def get_cache_block_size_bytes(self) -> int:
         return self._spec().page_size_bytes * len(self.runner.model.layers)
