@@ -110,7 +110,7 @@ class VllmModelRunner:
         conv = {s.shapes[0][0] + 1 for s in groups.state_specs}
         hybrid = HybridLimits(groups, config.num_blocks, ratio, conv.pop())
         self._start(cache, states, Limits(self.vocab_size, block, cache.num_blocks,
-                                          self.sampler.max_rows, hybrid))
+                                          self.sampler.max_rows, hybrid=hybrid))
         logger.info("paged_prefix: hybrid model, %d attention layers in %d kernel blocks of %d "
                     "(%d to a vLLM block of %d), %d recurrent layers' states in %d state groups "
                     "of blocks of %d tokens (%.0f MiB of states, stored %s)", cache.num_layers,

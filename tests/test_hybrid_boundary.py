@@ -121,8 +121,9 @@ class Step:
         groups = get_kv_cache_groups(config, specs)
         self.kv_config = get_kv_cache_config_from_groups(config, groups, 40 * 32 * 1024)
         self.groups = hybrid_groups.CacheGroups.of(self.kv_config, self.recurrent, TORCH_TO_MLX)
-        self.limits = Limits(512, 16, 2 * self.kv_config.num_blocks, 4, hybrid_groups.HybridLimits(
-            self.groups, self.kv_config.num_blocks, 2, 4))
+        self.limits = Limits(512, 16, 2 * self.kv_config.num_blocks, 4,
+                             hybrid=hybrid_groups.HybridLimits(
+                                 self.groups, self.kv_config.num_blocks, 2, 4))
         self.ledger = {}
 
     def lists(self, attention, state):
