@@ -159,13 +159,13 @@ def hf_config(config: dict, folder: Path, dtype: str = "float32") -> Path:
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")
 
 
-def write_folder(name: str, folder: Path, tokenizer: Path | None,
+def write_folder(name: str | dict, folder: Path, tokenizer: Path | None,
                  dtype: mx.Dtype = mx.bfloat16, seed: int = 0) -> Path:
-    """An mlx-lm folder of built-in config `name` with seeded random weights and the tokenizer
-    files of folder `tokenizer`, whose vocabulary sets vocab_size; with `tokenizer` None, no
-    tokenizer and the config's own vocabulary (for token-id prompts: vLLM's
-    skip_tokenizer_init). Written atomically and reused when it exists, so a crash never leaves
-    half a model."""
+    """An mlx-lm folder of built-in config `name` (or a config, as `resolve_config` takes it)
+    with seeded random weights and the tokenizer files of folder `tokenizer`, whose vocabulary
+    sets vocab_size; with `tokenizer` None, no tokenizer and the config's own vocabulary (for
+    token-id prompts: vLLM's skip_tokenizer_init). Written atomically and reused when it
+    exists, so a crash never leaves half a model."""
     if (folder / "config.json").exists():
         return folder
     overrides = {}

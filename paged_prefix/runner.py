@@ -86,6 +86,25 @@ def _release_last_step() -> None:
     mx.synchronize()
 
 
+def _wait_for_device(hidden: mx.array, written: list[mx.array]) -> None:
+    """Run everything built so far and wait until MLX lets go of it: a layer whose arrays an
+    earlier layer of the forward wrote (KV-cache groups sharing memory, `kv_layout.py`) would
+    otherwise write while that layer's attention may still hold them, and MLX copies an array
+    a pending op holds (six writes into one array, each read back: each write copied it)."""
+    mx.async_eval(hidden, written)
+    mx.synchronize()
+
+
+def _check_group_windows(kv_cache: PagedKVCache, windows: list[int | None]) -> None:
+    """A windowed KV-cache group keeps only the blocks its window sees: its layers must attend
+    with that window (a full group keeps every block, for any layer)."""
+    for i, window in enumerate(windows):
+        kept = kv_cache.windows[kv_cache.layout.group_of[i]]
+        if kept is not None and window != kept:
+            raise ValueError(f"kv_cache: layer {i} attends with window {window}, but its "
+                             f"KV-cache group keeps the blocks of a window of {kept}")
+
+
 def _checked_rows(rows: np.ndarray | None, num_tokens: int) -> np.ndarray:
     """Prompt-logprob rows as int32 packed-row indices, each one of the forward's rows."""
     if rows is None:
@@ -110,10 +129,11 @@ class PagedModelRunner:
         self.architecture = arch
         self.kv_cache = kv_cache
         self.dispatcher = dispatcher or Dispatcher()
-        # one per layer; a forward plans each distinct one once
+        # one per layer; a forward plans each distinct one once per KV-cache group
         self.geometries: tuple[Geometry, ...] = tuple(
             layer.self_attn.geometry(kv_cache.block_size, kv_cache.dtype)
             for layer in self.model.layers)
+        _check_group_windows(kv_cache, [g.window for g in self.geometries])
         self.vocab_size = model.args.vocab_size
         self.pipeline = pipeline  # None: on a GPU, for forwards of PIPELINE_MIN_TOKENS or more
         self.stats = RunnerStats()
@@ -123,7 +143,11 @@ class PagedModelRunner:
         if not isinstance(meta, BatchMetadata):
             raise ValueError(f"meta: expected build_batch_metadata's BatchMetadata, got "
                              f"{type(meta).__name__}")
-        attn = meta.attn
+        windows = tuple(g.attn.window for g in meta.groups)
+        if windows != self.kv_cache.windows:
+            raise ValueError(f"windows: metadata built for KV-cache groups of windows "
+                             f"{windows}, the cache's are {self.kv_cache.windows}")
+        attn = meta.groups[0].attn  # the groups share their block size and pool
         if attn.block_size != self.kv_cache.block_size:
             raise ValueError(f"block_size: metadata built for {attn.block_size}, the cache has "
                              f"{self.kv_cache.block_size}")
@@ -135,21 +159,24 @@ class PagedModelRunner:
             raise ValueError(f"token_ids: {low if low < 0 else high} is outside the model's "
                              f"vocabulary of {self.vocab_size}")
 
-    def _slots(self, meta: BatchMetadata) -> Slots:
-        """The batch's slots checked against the cache; a batch run again (the same frozen
-        metadata, as a benchmark repeats one step) reuses them, as the dispatcher its plan."""
+    def _slots(self, meta: BatchMetadata) -> tuple[Slots, ...]:
+        """Each KV-cache group's slots checked against the cache; a batch run again (the same
+        frozen metadata, as a benchmark repeats one step) reuses them, as the dispatcher its
+        plan."""
         key = (meta, self.kv_cache)
         if self._last_slots is None or self._last_slots[0] != key:
-            self._last_slots = key, self.kv_cache.slots(meta.slot_mapping_host,
-                                                        meta.slot_mapping)
+            self._last_slots = key, tuple(self.kv_cache.slots(g.slot_mapping_host, g.slot_mapping)
+                                          for g in meta.groups)
         return self._last_slots[1]
 
     def _plan(self, meta: BatchMetadata) -> tuple[tuple[ForwardAttention, ...], frozenset[int]]:
-        """Each layer's planned attention, one plan per distinct geometry, and the layers that
-        run each plan's entry check (the first of its geometry)."""
-        planned = {g: self.dispatcher.plan(meta.attn, g) for g in dict.fromkeys(self.geometries)}
-        first = frozenset(self.geometries.index(g) for g in planned)
-        return tuple(planned[g] for g in self.geometries), first
+        """Each layer's planned attention, one plan per KV-cache group (its tables) and distinct
+        geometry, and the layers that run each plan's entry check (the first of its kind)."""
+        kinds = list(zip(self.kv_cache.layout.group_of, self.geometries))
+        planned = {k: self.dispatcher.plan(meta.groups[k[0]].attn, k[1])
+                   for k in dict.fromkeys(kinds)}
+        first = frozenset(kinds.index(k) for k in planned)
+        return tuple(planned[k] for k in kinds), first
 
     def forward(self, meta: BatchMetadata, prompt_rows: np.ndarray | None = None) -> mx.array:
         """Logits (float32), lazily: one row per request that samples (`meta.sample_req_ids`
@@ -157,8 +184,10 @@ class PagedModelRunner:
         a request asked for); the caller evaluates them together with `kv_cache.arrays()`."""
         self._check(meta)
         prompt_rows = _checked_rows(prompt_rows, meta.num_tokens)
-        slots = self._slots(meta)
-        ctx = ForwardContext(meta, self.kv_cache, slots, *self._plan(meta))
+        plans = self._plan(meta)  # each layer's, for its group
+        contexts = [ForwardContext(meta, self.kv_cache, slots, *plans)  # per group: its slots
+                    for slots in self._slots(meta)]
+        layout = self.kv_cache.layout
         # mlx-lm's model loop, with no mask (causality and windows come from the metadata)
         inner = self.model.model
         pipeline = self.pipeline
@@ -170,7 +199,13 @@ class PagedModelRunner:
         try:
             hidden = self.architecture.embed(self.model, meta.input_ids)  # [T, hidden]: packed
             for i, layer in enumerate(inner.layers):
-                hidden = layer(hidden, None, ctx)
+                if i in layout.wait_before:  # its arrays hold an earlier layer's writes
+                    snapshot = None
+                    if unsent == 0:
+                        _release_last_step()
+                    _wait_for_device(hidden, self.kv_cache.arrays(range(unsent, i)))
+                    unsent = i
+                hidden = layer(hidden, None, contexts[layout.group_of[i]])
                 if pipeline and _sends_after(i):
                     # while the snapshot shares the arrays, an evaluated write would copy them
                     snapshot = None

@@ -1,6 +1,7 @@
 """The vLLM boundary: vLLM's model-runner contract on top of `PagedModelRunner`.
 
-    initialize_kv_cache(KVCacheConfig)           allocate the paged cache vLLM sized
+    layer_windows() -> per layer W or None       each layer's sliding window (its vLLM spec)
+    initialize_kv_cache(KVCacheConfig)           allocate the paged cache vLLM sized and grouped
     run_forward(SchedulerOutput) -> None         the forward; output follows in sample_tokens
                                    | ModelRunnerOutput   (nothing scheduled: no sampling step)
     sample_tokens(grammar_output) -> ModelRunnerOutput
@@ -35,15 +36,16 @@ import numpy as np
 import torch
 from vllm.config import VllmConfig
 from vllm.v1.core.sched.output import GrammarOutput, SchedulerOutput
-from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig
+from vllm.v1.kv_cache_interface import KVCacheConfig
 from vllm.v1.outputs import EMPTY_MODEL_RUNNER_OUTPUT, LogprobsTensors, ModelRunnerOutput
 
 from . import prompt_logprobs, warmup
 from .dispatch import Dispatcher
 from .kv_cache import PagedKVCache
+from .kv_groups import cache_layout
 from .metadata import BatchMetadata
 from .requests import Limits, RequestState, StepPlan, plan_step, with_sampled
-from .runner import PagedModelRunner
+from .runner import PagedModelRunner, attention_of
 from .vllm_sampling import BatchSampler, SamplingRow, grammar_rows, in_output_order
 
 logger = logging.getLogger(__name__)
@@ -66,30 +68,36 @@ class VllmModelRunner:
         self._pending: tuple[StepPlan, mx.array, dict[str, LogprobsTensors]] | None = None
         self._last_step_end: float | None = None  # for the debug log's time between steps
 
+    def layer_windows(self) -> tuple[int | None, ...]:
+        """Each layer's sliding window as the runner attends with it (None: full attention),
+        from its architecture (`runner.attention_of`)."""
+        return tuple(layer.window for layer in attention_of(self.model)[1])
+
     def initialize_kv_cache(self, kv_cache_config: KVCacheConfig) -> None:
-        groups = kv_cache_config.kv_cache_groups
-        if len(groups) != 1 or not isinstance(groups[0].kv_cache_spec, FullAttentionSpec):
-            raise ValueError("kv_cache_config: exactly one full-attention KV-cache group is supported")
-        spec = groups[0].kv_cache_spec
+        """The cache vLLM's config describes (`kv_groups.cache_layout` checks it): its groups,
+        their windows, and no more memory than its tensors hold."""
+        layout, spec = cache_layout(kv_cache_config, self.layer_windows())
         if spec.dtype not in TORCH_TO_MLX:
             raise ValueError(f"kv_cache_config: dtype {spec.dtype} is not one of {list(TORCH_TO_MLX)}")
-        if len(groups[0].layer_names) != len(self.model.layers):
-            raise ValueError(f"kv_cache_config: {len(groups[0].layer_names)} layers for a "
-                             f"{len(self.model.layers)}-layer model")
         cache = PagedKVCache(
-            num_layers=len(self.model.layers),
+            num_layers=layout.num_layers,
             num_blocks=kv_cache_config.num_blocks,
             block_size=spec.block_size,
             num_kv_heads=spec.num_kv_heads,
             head_dim=spec.head_size,
             dtype=TORCH_TO_MLX[spec.dtype],
+            layout=layout,
         )
         self.runner = PagedModelRunner(self.model, cache, self.dispatcher)
         # the runner's tree from here on: the caller's would keep the q/k/v and gate/up arrays
         # alive beside the runner's stacks of them
         self.model = self.runner.model
         self._limits = Limits(self.vocab_size, cache.block_size, cache.num_blocks,
-                              self.sampler.max_rows)
+                              self.sampler.max_rows, cache.windows)
+        if len(layout.groups) > 1:
+            logger.info("paged_prefix: %d KV-cache groups (windows %s) over %d array pairs for "
+                        "%d layers", len(layout.groups), list(cache.windows), layout.num_arrays,
+                        layout.num_layers)
 
     def warm_up_limit(self) -> int:
         """The longest prefill `warm_up` can run in this cache."""
@@ -185,7 +193,7 @@ class VllmModelRunner:
     def _log_forward(self, meta: BatchMetadata, start: float, built: float) -> None:
         """Where a step's time goes, for TTFT questions: its shape, the attention path (and
         for SDPA where its K/V came from), the forward's time and the idle time before it."""
-        q = meta.attn.q_lens_host
+        q = meta.groups[0].attn.q_lens_host
         d = self.runner.dispatcher
         sources = d.last.summary()
         attention = f"{d.last.path} attention" + (f" (sequences: {sources})" if sources else "")
@@ -194,7 +202,7 @@ class VllmModelRunner:
         logger.debug("step: %d sequences (%d of one token), %d tokens after %d already in the "
                      "cache, %s; forward %.1f ms (%.1f ms of it building the graph)%s",
                      len(q), int((q == 1).sum()), int(q.sum()),
-                     int(meta.attn.context_lens_host.sum()), attention,
+                     int(meta.groups[0].attn.context_lens_host.sum()), attention,
                      1e3 * (time.perf_counter() - start), 1e3 * (built - start), idle)
 
 

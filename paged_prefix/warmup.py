@@ -2,7 +2,8 @@
 
 One-time costs (kernel builds, MLX's compiled scatter, the sampler's compiled helpers) are
 paid here rather than in the first request's latency. The warm-up writes only into blocks that
-no request can own yet and keeps no request state.
+no request can own yet (never block 0, vLLM's null block) and keeps no request state; with
+several KV-cache groups each group has blocks of its own, as vLLM's pool hands them out.
 """
 
 from __future__ import annotations
@@ -18,24 +19,25 @@ from .vllm_sampling import BatchSampler, SamplingRow, make_generator
 
 def warm_up_limit(cache: PagedKVCache) -> int:
     """The longest prefill `warm_up` can run in this cache: its two requests (the prefill,
-    and a decode row one token longer) each need their own blocks."""
-    return cache.num_blocks // 2 * cache.block_size - 1
+    and a decode row one token longer) each need their own blocks in each group."""
+    return (cache.num_blocks - 1) // (2 * len(cache.windows)) * cache.block_size - 1
 
 
 def warm_up(runner: PagedModelRunner, sampler: BatchSampler, num_tokens: int) -> None:
     """A `num_tokens` prefill and a decode row, two decode rows alone, then the prefill again
     with its first half cached; and their sampling, greedy and at random with penalties and
     logprobs."""
-    cache, vocab = runner.kv_cache, runner.vocab_size
+    cache, vocab, groups = runner.kv_cache, runner.vocab_size, len(runner.kv_cache.windows)
     per_request = -(-(num_tokens + 1) // cache.block_size)
-    if 2 * per_request > cache.num_blocks:
+    if 2 * per_request * groups + 1 > cache.num_blocks:
         raise ValueError(f"num_tokens: a warm-up of {num_tokens} tokens needs "
-                         f"{2 * per_request} blocks, the cache has {cache.num_blocks}")
+                         f"{2 * per_request * groups + 1} blocks, the cache has "
+                         f"{cache.num_blocks}")
     tokens = [i % vocab for i in range(num_tokens + 1)]
 
     def forward(*requests: ScheduledRequest) -> mx.array:
         meta = build_batch_metadata(list(requests), cache.block_size, cache.num_blocks,
-                                    vocab_size=vocab)
+                                    vocab_size=vocab, windows=cache.windows)
         logits = runner.forward(meta)
         mx.eval(logits, cache.arrays())
         return logits
@@ -43,7 +45,9 @@ def warm_up(runner: PagedModelRunner, sampler: BatchSampler, num_tokens: int) ->
     # Every other block: a long prefill's rows then land in many runs of slots, so its
     # cache writes take the scatter (MLX's CUDA backend compiles its scatter kernels with
     # NVRTC on first use), while the decode rows' two runs take the slice updates.
-    first, second = list(range(0, 2 * per_request, 2)), list(range(1, 2 * per_request, 2))
+    starts = [1 + 2 * per_request * g for g in range(groups)]
+    first = tuple(list(range(a, a + 2 * per_request, 2)) for a in starts)
+    second = tuple(list(range(a + 1, a + 2 * per_request, 2)) for a in starts)
     logits = forward(
         ScheduledRequest("warmup-prefill", tokens[:num_tokens], num_tokens, 0, num_tokens, first),
         ScheduledRequest("warmup-decode", tokens, num_tokens, num_tokens, 1, second))
@@ -58,4 +62,6 @@ def warm_up(runner: PagedModelRunner, sampler: BatchSampler, num_tokens: int) ->
                             repetition_penalty=1.1, logprobs=2)
     rows = [SamplingRow(SamplingParams(temperature=0.0), tokens[:num_tokens], [], None),
             SamplingRow(varied, tokens[:num_tokens], [tokens[-1]], make_generator(varied))]
-    sampler.sample(logits, rows)
+    for start in range(0, len(rows), sampler.max_rows):  # max_num_seqs may be 1
+        part = slice(start, start + sampler.max_rows)
+        sampler.sample(logits[part], rows[part])

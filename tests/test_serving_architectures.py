@@ -5,8 +5,8 @@ first pass's blocks (a shared prefix longer than the models' 20-key windows), on
 that vLLM chunks, and to mlx-lm's own greedy generation: its model with its own caches
 (`mlx_lm_oracle.py`, which windows the layers mlx-lm's class does not), and `generate_step`
 itself where mlx-lm's class runs the whole architecture. vLLM runs in a child process
-(`serving_architectures_driver.py`). Until vLLM is told each layer's window (per-group cache
-specs), it schedules every layer as full attention and windowed layers mask: the same tokens.
+(`serving_architectures_driver.py`). vLLM is told each layer's window: the windowed layers
+form their own KV-cache groups, whose blocks it frees behind the window.
 
 Its own nox session (`nox -s serving-architectures`): a fresh machine's vLLM inspects each new
 architecture's class once (~45 s each here), ~1 min after that.

@@ -126,7 +126,9 @@ class MLXPlatform(Platform):
 
     @classmethod
     def support_hybrid_kv_cache(cls) -> bool:
-        return False
+        """vLLM's hybrid KV-cache manager: per-group block tables, sliding-window groups whose
+        blocks it frees outside the window (the runner reads none of them)."""
+        return True
 
     @classmethod
     def check_and_update_config(cls, vllm_config: VllmConfig) -> None:

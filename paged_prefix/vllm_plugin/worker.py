@@ -25,6 +25,7 @@ from vllm.v1.worker.worker_base import CompilationTimes, WorkerBase
 
 from .. import cpu_blas, precision
 from ..dispatch import Dispatcher
+from ..kv_groups import LAYOUT, layer_specs
 from ..model_loader import load_model
 from ..vllm_runner import TORCH_TO_MLX, VllmModelRunner
 from . import mirror_vllm_logging
@@ -98,12 +99,13 @@ class MLXWorker(WorkerBase):
             dtype=kv_cache_dtype_str_to_dtype(self.cache_config.cache_dtype, self.model_config))
 
     def get_kv_cache_spec(self) -> dict[str, KVCacheSpec]:
-        spec = self._spec()
-        return {f"model.layers.{i}.self_attn.attn": spec for i in range(len(self.runner.model.layers))}
+        """Each layer's spec: full attention, or its sliding window (`kv_groups.py`)."""
+        page = self._spec()
+        return layer_specs(self.runner.layer_windows(), page.block_size, page.num_kv_heads,
+                           page.head_size, page.dtype)
 
     def get_supported_kv_cache_layouts(self) -> list[str]:
-        # Per layer [num_blocks, block_size, num_kv_heads, head_dim], vllm-metal's layout.
-        return ["LBNHC"]
+        return [LAYOUT]
 
     def get_cache_block_size_bytes(self) -> int:
         return self._spec().page_size_bytes * len(self.runner.model.layers)
