@@ -4,7 +4,8 @@ groups on a tight pool; prints JSON results.
     python tests/serving_groups_driver.py MODEL_DIR {on|off} KV_CACHE_BYTES
 
 A process of its own (vLLM fixes its platform once per process), the engine in it
-(VLLM_ENABLE_V1_MULTIPROCESSING=0). Three greedy passes: one long prompt alone (vLLM frees its
+(VLLM_ENABLE_V1_MULTIPROCESSING=0), asynchronous scheduling with caching on and synchronous
+with it off. Three greedy passes: one long prompt alone (vLLM frees its
 blocks behind the window as it goes), prompts that share a prefix longer than the window, and
 the same prompts again all at once (hits; on the tight pool, preemption). What vLLM's scheduler
 did is recorded beside the tokens: its groups, the null blocks it sent new requests, the
@@ -20,7 +21,7 @@ from collections import Counter
 
 import numpy as np
 
-PREFIX_LEN, SUFFIX_LEN, LONG_LEN, GREEDY_TOKENS, NUM_SHARED = 90, 25, 400, 24, 4
+PREFIX_LEN, SUFFIX_LEN, LONG_LEN, GREEDY_TOKENS, NUM_SHARED = 90, 25, 400, 48, 4
 NULL_BLOCK = 0
 
 
@@ -54,7 +55,7 @@ def main(model: str, caching: str, kv_bytes: str) -> None:
 
     llm = LLM(model=model, skip_tokenizer_init=True, enable_prefix_caching=caching == "on",
               max_model_len=512, max_num_seqs=NUM_SHARED, max_num_batched_tokens=64,
-              kv_cache_memory_bytes=int(kv_bytes), async_scheduling=False, seed=0)
+              kv_cache_memory_bytes=int(kv_bytes), async_scheduling=caching == "on", seed=0)
     scheduler = llm.llm_engine.engine_core.engine_core.scheduler
     seen = Counter()
     record(scheduler, seen)
