@@ -10,10 +10,16 @@ are (token, head-in-group) pairs so one K/V tile serves a whole GQA group; fully
 skip the mask, tiles past the causal frontier are never visited. When the tiles are too few
 for the GPU the key range is split, and the last split of a tile to finish merges the tile's
 partials by log-sum-exp inside the same launch (per-tile counters), its own from shared memory.
+
+Variants (`reference.contract`), each compiled in or out: a sliding window (the plan starts a
+tile's keys at the kv tile of its first visible key, so whole tiles left of the window are never
+read and its splits follow W), a logit softcap (its constants compiled in, as the scale), sinks
+(joined once per row, at its store or in the merge).
 """
 
 from __future__ import annotations
 
+import functools
 import math
 import numbers
 from dataclasses import dataclass
@@ -40,11 +46,16 @@ MIN_WORDS = 4  # the counters kept longer than MLX's pool of <= 8-byte arrays (q
 COUNTER_SETS = 16
 MERGE_ROWS = 16  # rows a thread merges at once: every one's load of a split in flight together
 
-# The kernel: kernels/paged_attention_mma.cu, behind the tile constants and work-list columns.
-SOURCE = sources.mlx_kernel(
-    "paged_attention_mma.cu",
-    sources.constants(sources.CUDA, BLOCK_N=BLOCK_N, MERGE_ROWS=MERGE_ROWS, PAD=PAD) +
-    sources.columns(sources.CUDA, "W_", tile_plan.WORK_COLUMNS, "WORK_COLS"))
+FEATURES = ("window", "softcap", "sinks")  # the variants every CUDA attention kernel compiles
+
+
+@functools.cache
+def source(features: str) -> sources.MlxSource:
+    """The kernel of a variant's features (`Geometry.features`): kernels/paged_attention_mma.cu
+    behind the feature flags, the tile constants and the work-list columns."""
+    return sources.mlx_kernel("paged_attention_mma.cu", sources.attention_prelude(
+        sources.CUDA, features, BLOCK_N=BLOCK_N, MERGE_ROWS=MERGE_ROWS, PAD=PAD))
+
 # Prefill-heavy forwards take 128-row tiles (each K/V tile feeds 128 rows: half the L2 traffic
 # per FLOP of 64-row tiles) when they still give at least this many threadblocks; decode
 # batches and short suffixes keep 64-row tiles (more, smaller blocks in flight per SM).
@@ -76,6 +87,11 @@ def scale_reason(scale: float) -> str | None:
     return f"scale {scale!r} (the kernel compiles in a positive finite scale)"
 
 
+def float_bits(x: float) -> int:
+    """The float32 bits of x as an int: how a kernel's float constant is compiled in."""
+    return int(np.array(x, dtype=np.float32).view(np.int32))
+
+
 def qk_scale_bits(scale: float) -> int:
     """The float32 bits of scale * log2(e) as an int: the kernel's template constant. (MLX's
     CUDA allocator keeps arrays of at most 8 bytes in a read-mostly managed pool; each
@@ -83,7 +99,39 @@ def qk_scale_bits(scale: float) -> int:
     whole launch over 32 decode rows with nothing cached now takes 4 us.)"""
     if not scale_compiles(scale):
         raise ValueError(f"scale: expected a positive finite float, got {scale!r}")
-    return int(np.array(scale * LOG2E, dtype=np.float32).view(np.int32))
+    return float_bits(scale * LOG2E)
+
+
+def cap_constants(g: Geometry) -> dict[str, int]:
+    """A softcap's compiled-in constants (kernels/softmax.cuh, `Logits`), as the scale's: the
+    float32 bits of 2 log2(e) scale / cap and of cap / scale; none without a cap."""
+    if g.softcap is None:
+        return {}
+    return {"CAP_IN_BITS": float_bits(2 * LOG2E * g.scale / g.softcap),
+            "CAP_OUT_BITS": float_bits(g.softcap / g.scale)}
+
+
+def sink_inputs(g: Geometry, sinks: mx.array | None) -> list[mx.array]:
+    """The kernels' sinks input: float32 [H] where the geometry has sinks (the entry check has
+    matched the two), else none."""
+    if not g.sinks:
+        return []
+    return [sinks if sinks.dtype == mx.float32 else sinks.astype(mx.float32)]
+
+
+def variant_name(g: Geometry) -> str:
+    """A kernel name's part for the variant's features: "" or e.g. "_window_sinks"."""
+    return "_" + g.features.replace("+", "_") if g.features else ""
+
+
+def compiled_floats(g: Geometry) -> dict[str, int]:
+    """The float constants a variant compiles in: the scale's, and a cap's."""
+    return {"QK_SCALE_BITS": qk_scale_bits(g.scale), **cap_constants(g)}
+
+
+def compiled_floats_name(g: Geometry) -> str:
+    """A compiled kernel's name part for its float constants ("_q<bits>", a cap's "_c<bits>")."""
+    return "".join(f"_{name[0].lower()}{bits:x}" for name, bits in compiled_floats(g).items())
 
 
 def choose_block_m(num_tokens: int, group: int, num_kv_heads: int) -> int:
@@ -136,6 +184,7 @@ class CudaPagedAttention(PagedAttentionKernel):
 
     name = "cuda paged kernel"
     head_dims = HEAD_DIMS
+    features = FEATURES
 
     def __init__(self, cuda_kernel=None):
         super().__init__(cuda_kernel or mx.fast.cuda_kernel)
@@ -164,7 +213,7 @@ class CudaPagedAttention(PagedAttentionKernel):
                                           ctas_per_sm=SPLIT_ITEMS_PER_SM,
                                           min_chunk=self.split_min_kv_tiles_for(g),
                                           min_items=0 if block_m == 128 else None,
-                                          seqs=np.asarray(seqs))
+                                          seqs=np.asarray(seqs), window=g.window)
         sets = COUNTER_SETS if tiles.num_slots else 1  # unsplit: counters never read
         counters = tuple(mx.zeros((max(2 * tiles.num_tiles, MIN_WORDS),), dtype=mx.int32)
                          for _ in range(sets))
@@ -174,7 +223,7 @@ class CudaPagedAttention(PagedAttentionKernel):
         launch = dict(
             template=[("T", g.dtype), ("HEAD_DIM", g.head_dim), ("GROUP", g.group),
                       ("BLOCK_M", block_m), ("WARP_M", warp_m), ("STAGES", STAGES),
-                      ("BS", g.block_size), ("QK_SCALE_BITS", qk_scale_bits(g.scale))],
+                      ("BS", g.block_size), *compiled_floats(g).items()],
             grid=(tiles.num_items * threads, 1, 1),
             threadgroup=(threads, 1, 1),
             output_shapes=[(lengths.num_tokens, g.num_heads, g.head_dim),
@@ -184,18 +233,19 @@ class CudaPagedAttention(PagedAttentionKernel):
                                  tiles=tiles, order=LaunchOrder(counters), launch=launch)
 
     def _kernel(self, g: Geometry, block_m: int, warp_m: int):
-        key = (g.dtype, g.head_dim, g.group, g.block_size, block_m, warp_m)
+        key = (g.dtype, g.head_dim, g.group, g.block_size, block_m, warp_m, g.features)
         if key not in self._kernels:
             variant = (f"{dtype_name(g.dtype)}_d{g.head_dim}_g{g.group}_b{g.block_size}"
-                       f"_m{block_m}_w{warp_m}_s{STAGES}")
+                       f"_m{block_m}_w{warp_m}_s{STAGES}{variant_name(g)}")
             q_smem = block_m * (g.head_dim + PAD) * 2 if warp_m > 16 else 0  # else in a stage
+            text = source(g.features)
             self._kernels[key] = self._factory(
-                name=f"paged_prefill_{SOURCE.hash}_{variant}",
+                name=f"paged_prefill_{text.hash}_{variant}",
                 input_names=["q", "k_cache", "v_cache", "block_tables", "work", "counters",
-                             "after"],
+                             "after"] + (["sinks"] if g.sinks else []),
                 output_names=["out", "o_part", "lse_part"],
-                source=SOURCE.source,
-                header=SOURCE.header,
+                source=text.source,
+                header=text.header,
                 # K and V per stage, 2-byte elements: 69.6 KB at D=128, 2 stages (> 48 KB
                 # default), and Q's own 34.8 KB at 128 rows of 32-row warps
                 shared_memory=2 * STAGES * BLOCK_N * (g.head_dim + PAD) * 2 + q_smem,
@@ -205,8 +255,10 @@ class CudaPagedAttention(PagedAttentionKernel):
     def launch(self, q: mx.array, k_cache: mx.array, v_cache: mx.array,
                plan: CudaAttentionPlan, sinks: mx.array | None = None) -> mx.array:
         counters, after = plan.order.take()
-        out, _, lse_part = self._kernel(plan.geometry, plan.block_m, plan.warp_m)(
-            inputs=[q, k_cache, v_cache, plan.block_tables, plan.tiles.work, counters, after],
+        g = plan.geometry
+        out, _, lse_part = self._kernel(g, plan.block_m, plan.warp_m)(
+            inputs=[q, k_cache, v_cache, plan.block_tables, plan.tiles.work, counters, after,
+                    *sink_inputs(g, sinks)],
             **plan.launch)
         if plan.tiles.num_slots:  # only split tiles count arrivals
             plan.order.ran(lse_part)

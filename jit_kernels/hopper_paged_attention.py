@@ -23,11 +23,12 @@ a call costs ~10 us more host time than the mma.sync kernel's (docs/results.md).
 
 from __future__ import annotations
 
+import functools
+
 import mlx.core as mx
 
 from . import cuda_paged_attention as cpa
 from . import nvrtc, sources
-from . import plan as tile_plan
 from .geometry import Geometry, Lengths, dtype_name
 
 ARCH = "sm_90a"
@@ -44,19 +45,20 @@ STAGES = 2  # K/V tiles in flight + 1; 3 measured no faster, 4 fits one block pe
 # C <= 1024 (still at or under the ceiling's) and buy throughput wherever launches overlap.
 SPLIT_MIN_KV_TILES = 9
 
-UNIT = sources.translation_unit(
-    "paged_attention_wgmma.cu",
-    sources.constants(sources.CUDA, BLOCK_N=cpa.BLOCK_N, MERGE_ROWS=cpa.MERGE_ROWS, STAGES=STAGES,
-                      BLOCK_M=BLOCK_M, NUM_THREADS=THREADS, MIN_BLOCKS_PER_SM=MIN_BLOCKS_PER_SM) +
-    sources.columns(sources.CUDA, "W_", tile_plan.WORK_COLUMNS, "WORK_COLS"), ARCH)
-_SOURCE_HASH = UNIT.hash
+@functools.cache
+def unit(features: str) -> sources.TranslationUnit:
+    """The kernel of a variant's features: kernels/paged_attention_wgmma.cu behind the feature
+    flags, the tile constants and the work-list columns."""
+    return sources.translation_unit("paged_attention_wgmma.cu", sources.attention_prelude(
+        sources.CUDA, features, BLOCK_N=cpa.BLOCK_N, MERGE_ROWS=cpa.MERGE_ROWS, STAGES=STAGES,
+        BLOCK_M=BLOCK_M, NUM_THREADS=THREADS, MIN_BLOCKS_PER_SM=MIN_BLOCKS_PER_SM), ARCH)
 
 
 def kernel_source(name: str, g: Geometry) -> str:
     """The whole translation unit of one variant: its constants, then the kernel, named `name`."""
-    return UNIT.source(name, sources.half_type(g.dtype) + sources.constants(
+    return unit(g.features).source(name, sources.half_type(g.dtype) + sources.constants(
         sources.CUDA, HEAD_DIM=g.head_dim, GROUP=g.group, BS=g.block_size,
-        QK_SCALE_BITS=cpa.qk_scale_bits(g.scale)))
+        **cpa.compiled_floats(g)))
 
 
 def unavailable_reason() -> str | None:
@@ -107,11 +109,11 @@ class HopperPagedAttention(cpa.CudaPagedAttention):
     def _kernel(self, g: Geometry, block_m: int, warp_m: int):
         if not self.uses_wgmma(g):
             return super()._kernel(g, block_m, warp_m)
-        bits = cpa.qk_scale_bits(g.scale)
-        key = ("wgmma", g.dtype, g.head_dim, g.group, g.block_size, bits)
+        floats = cpa.compiled_floats_name(g)
+        key = ("wgmma", g.dtype, g.head_dim, g.group, g.block_size, g.features, floats)
         if key not in self._kernels:
-            name = (f"paged_prefill_wgmma_{_SOURCE_HASH}_{dtype_name(g.dtype)}"
-                    f"_d{g.head_dim}_g{g.group}_b{g.block_size}_q{bits:x}")
+            name = (f"paged_prefill_wgmma_{unit(g.features).hash}_{dtype_name(g.dtype)}"
+                    f"_d{g.head_dim}_g{g.group}_b{g.block_size}{cpa.variant_name(g)}{floats}")
             cubin = self._compile(kernel_source(name, g), name, ARCH)
             smem = 2 * STAGES * cpa.BLOCK_N * g.head_dim * 2 + 1024  # + alignment slack
 

@@ -1,8 +1,8 @@
 """Long prefills over cached prefixes on Hopper: a warp-specialized kernel that loads K/V pages
 with TMA (sm_90a, through NVRTC and `mx.fast.precompiled_cuda_kernel`).
 
-    plan = kernel.plan(cu_seqlens_q, seq_lens, geometry, seqs)   # once per forward
-    out = kernel(q, k_cache, v_cache, block_tables, plan)        # every layer
+    plan = kernel.plan(lengths, geometry, block_tables, seqs)        # once per forward
+    out = kernel.run(q, k, v, k_cache, v_cache, plan, out, sinks)    # every layer
 
 What the wgmma kernel (`hopper_paged_attention`) cannot: keep the tensor cores fed at long
 suffixes, where cuDNN's SDPA on contiguous K/V runs much faster (so the dispatcher sent those
@@ -14,11 +14,15 @@ one kv head, planned unsplit): a producer warp loading K/V pages with TMA (`tma.
 consumer warpgroups overlapping S, softmax and P V (kernels/prefill_attention_tma.cu).
 
 Rows of sequences the plan leaves out are not written. Same contract as the reference; caches
-as pages or as a `PagedKVCache` stores them (the kernel reads bytes).
+as pages or as a `PagedKVCache` stores them (the kernel reads bytes). The variants are the paged
+kernel's (`cuda_paged_attention`): a window's tile starts at the kv tile of its first visible
+key, and the pages of that tile left of the key are never read (their slots load the key's page
+again, masked out).
 """
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import mlx.core as mx
@@ -40,21 +44,20 @@ PRODUCER_REGS, CONSUMER_REGS = 40, 232  # 128 x 40 + 256 x 232 <= 64K registers
 HEAD_DIMS = (128,)
 SMEM_BYTES = 2 * STAGES * KV_TILE * 128 * 2 + 1024  # K and V per stage, + alignment slack
 
-# The kernel: kernels/prefill_attention_tma.cu, behind the tile constants and work-list columns.
-UNIT = sources.translation_unit(
-    "prefill_attention_tma.cu",
-    sources.constants(sources.CUDA, BLOCK_M=BLOCK_M, KV_TILE=KV_TILE, STAGES=STAGES,
-                      NUM_THREADS=THREADS, PRODUCER_REGS=PRODUCER_REGS,
-                      CONSUMER_REGS=CONSUMER_REGS) +
-    sources.columns(sources.CUDA, "W_", tile_plan.WORK_COLUMNS, "WORK_COLS"), hp.ARCH)
-_SOURCE_HASH = UNIT.hash
+@functools.cache
+def unit(features: str) -> sources.TranslationUnit:
+    """The kernel of a variant's features: kernels/prefill_attention_tma.cu behind the feature
+    flags, the tile constants and the work-list columns."""
+    return sources.translation_unit("prefill_attention_tma.cu", sources.attention_prelude(
+        sources.CUDA, features, BLOCK_M=BLOCK_M, KV_TILE=KV_TILE, STAGES=STAGES,
+        NUM_THREADS=THREADS, PRODUCER_REGS=PRODUCER_REGS, CONSUMER_REGS=CONSUMER_REGS), hp.ARCH)
 
 
 def kernel_source(name: str, g: Geometry) -> str:
     """The whole translation unit of one variant: its constants, then the kernel, named `name`."""
-    return UNIT.source(name, sources.half_type(g.dtype) + sources.constants(
+    return unit(g.features).source(name, sources.half_type(g.dtype) + sources.constants(
         sources.CUDA, HEAD_DIM=g.head_dim, GROUP=g.group, BS=g.block_size,
-        QK_SCALE_BITS=cpa.qk_scale_bits(g.scale)))
+        **cpa.compiled_floats(g)))
 
 
 @dataclass(frozen=True)
@@ -78,7 +81,7 @@ class HopperPrefillAttention:
 
     def unsupported_reason(self, g: Geometry) -> str | None:
         # block sizes 8-32 (the shared rule's): whole swizzle atoms that tile KV_TILE
-        return unsupported_reason(g, HEAD_DIMS) or cpa.scale_reason(g.scale)
+        return unsupported_reason(g, HEAD_DIMS, cpa.FEATURES) or cpa.scale_reason(g.scale)
 
     def canary_plannings(self, geometry: Geometry) -> tuple[dict, ...]:
         return ({},)
@@ -89,7 +92,7 @@ class HopperPrefillAttention:
         g, seqs = geometry, lengths.seqs(seqs)
         tiles = tile_plan.build_tile_plan(lengths.cu_seqlens_q, lengths.seq_lens, g.group,
                                           g.num_kv_heads, BLOCK_M, KV_TILE, cpa.NUM_SMS,
-                                          min_items=0, seqs=np.asarray(seqs))
+                                          min_items=0, seqs=np.asarray(seqs), window=g.window)
         return PrefillPlan(g, lengths, block_tables, seqs, tiles)
 
     def check(self, q, k, v, k_cache, v_cache, plan: PrefillPlan, sinks=None) -> None:
@@ -98,15 +101,16 @@ class HopperPrefillAttention:
 
     def run(self, q, k, v, k_cache, v_cache, plan: PrefillPlan, out=None,
             sinks=None) -> mx.array:
-        return write_rows(out, self.launch(q, k_cache, v_cache, plan), plan)
+        return write_rows(out, self.launch(q, k_cache, v_cache, plan, sinks), plan)
 
-    def launch(self, q: mx.array, k_cache: mx.array, v_cache: mx.array,
-               plan: PrefillPlan) -> mx.array:
+    def launch(self, q: mx.array, k_cache: mx.array, v_cache: mx.array, plan: PrefillPlan,
+               sinks: mx.array | None = None) -> mx.array:
         g, tiles, block_tables = plan.geometry, plan.tiles, plan.block_tables
-        key = (g.dtype, g.group, g.block_size, cpa.qk_scale_bits(g.scale))
+        floats = cpa.compiled_floats_name(g)
+        key = (g.dtype, g.group, g.block_size, g.features, floats)
         if key not in self._cubins:
-            name = (f"paged_prefill_tma_{_SOURCE_HASH}_{dtype_name(g.dtype)}"
-                    f"_g{g.group}_b{g.block_size}_q{key[3]:x}")
+            name = (f"paged_prefill_tma_{unit(g.features).hash}_{dtype_name(g.dtype)}"
+                    f"_g{g.group}_b{g.block_size}{cpa.variant_name(g)}{floats}")
             self._cubins[key] = name, self._compile(kernel_source(name, g), name, hp.ARCH)
         name, cubin = self._cubins[key]
         rows = k_cache.nbytes // (g.num_kv_heads * g.head_dim * 2)
@@ -115,7 +119,8 @@ class HopperPrefillAttention:
             self._templates[shape] = device_array(self._maps(*shape))
         return self._precompiled(
             name=name, compiled_source=cubin,
-            inputs=[q, k_cache, v_cache, block_tables, tiles.work, self._templates[shape]],
+            inputs=[q, k_cache, v_cache, block_tables, tiles.work, self._templates[shape],
+                    *cpa.sink_inputs(g, sinks)],
             output_shapes=[q.shape, (max(tiles.num_items, 1) * 256,)],
             output_dtypes=[q.dtype, mx.uint8], scalars=[q.shape[1], block_tables.shape[1]],
             grid=(tiles.num_items * THREADS, 1, 1), threadgroup=(THREADS, 1, 1),

@@ -291,9 +291,10 @@ def test_contract_violations_raise(backend):
         kernel.check(c.q, c.k_new[:1], c.v_new, c.k_cache, c.v_cache, plan)
 
 
-def merge_oracle(o_part, lse_part, tiles, out, group):
+def merge_oracle(o_part, lse_part, tiles, out, group, sinks=None):
     """Log-sum-exp merge of split partials in numpy (the merge's oracle): o_part [slots, rows,
-    D] normalised per split, lse_part [slots, rows] in log2 units (-inf: the split saw no key)."""
+    D] normalised per split, lse_part [slots, rows] in log2 units (-inf: the split saw no key);
+    `sinks` [H] (natural units) join each merged row's sum once."""
     for tok0, ntok, kvh, first, nsplit in tiles.merge_host:
         if first < 0:
             continue
@@ -302,12 +303,18 @@ def merge_oracle(o_part, lse_part, tiles, out, group):
         top = lse.max(axis=0)
         w = np.exp2(lse - np.where(np.isinf(top), 0, top))
         o = (w[..., None] * o_part[first:first + nsplit][:, rows]).sum(axis=0)
-        out[tok0 + rows // group, kvh * group + rows % group] = o / w.sum(axis=0)[:, None]
+        total = w.sum(axis=0)
+        if sinks is not None:
+            total = total + np.exp2(sinks[kvh * group + rows % group] / np.log(2) - top)
+        out[tok0 + rows // group, kvh * group + rows % group] = o / total[:, None]
     return out
 
 
-def emulate_plan(c: PagedCase, scale, group, tiles, block_m):
-    """The kernels' algorithm in numpy over a plan's work list: per-item partials, then merge."""
+def emulate_plan(c: PagedCase, scale, group, tiles, block_m, window=None, softcap=None,
+                 sinks=None):
+    """The kernels' algorithm in numpy over a plan's work list: per-item partials, then merge;
+    with a variant's window, cap (before the mask) and sinks (float64 [H]: joined once per row,
+    unsplit rows at their store, split rows in the merge)."""
     qn = np.array(c.q.astype(mx.float32)).astype(np.float64)
     o_part = np.zeros((max(tiles.num_slots, 1), block_m, qn.shape[2]))
     lse_part = np.full((max(tiles.num_slots, 1), block_m), -np.inf)
@@ -318,10 +325,17 @@ def emulate_plan(c: PagedCase, scale, group, tiles, block_m):
         k = np.array(c.k_seqs[seq][start:end, kvh].astype(mx.float32)).astype(np.float64)
         v = np.array(c.v_seqs[seq][start:end, kvh].astype(mx.float32)).astype(np.float64)
         s = qn[tok, head] @ k.T * scale
-        s[np.arange(start, end)[None, :] > (pos0 + rows // group)[:, None]] = -np.inf
+        if softcap is not None:
+            s = softcap * np.tanh(s / softcap)
+        keys, pos = np.arange(start, end)[None, :], (pos0 + rows // group)[:, None]
+        s[keys > pos] = -np.inf
+        if window is not None:
+            s[keys <= pos - window] = -np.inf
         top = s.max(axis=1, keepdims=True)
         p = np.exp(s - np.where(np.isinf(top), 0, top))
         total = p.sum(axis=1, keepdims=True)
+        if slot < 0 and sinks is not None:
+            total = total + np.exp(sinks[head][:, None] - top)
         o = np.where(total > 0, p @ v / np.maximum(total, 1e-300), 0)
         if slot < 0:
             out[tok, head] = o
@@ -329,7 +343,8 @@ def emulate_plan(c: PagedCase, scale, group, tiles, block_m):
             o_part[slot, rows] = o
             lse_part[slot, rows] = np.where(total[:, 0] > 0,
                                             (top[:, 0] + np.log(total[:, 0])) / np.log(2), -np.inf)
-    return out if tiles.merge is None else merge_oracle(o_part, lse_part, tiles, out, group)
+    return out if tiles.merge is None else merge_oracle(o_part, lse_part, tiles, out, group,
+                                                        sinks)
 
 
 @pytest.mark.parametrize("q_lens,ctx_lens,group,num_sms", [

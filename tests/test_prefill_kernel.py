@@ -68,7 +68,7 @@ def test_launch_contract():
     assert [arch for _, arch in compiled] == ["sm_90a"]
     assert encoded == [(c.num_blocks * 16, 16, 8)]
     kw = launched[0]
-    assert kw["name"] == compiled[0][0] and prefill_attention._SOURCE_HASH in kw["name"]
+    assert kw["name"] == compiled[0][0] and prefill_attention.unit("").hash in kw["name"]
     assert kw["grid"] == (plan.tiles.num_items * 384, 1, 1) and kw["threadgroup"] == (384, 1, 1)
     assert kw["scalars"] == [32, c.block_tables.shape[1]] and kw["ensure_row_contiguous"]
     assert kw["shared_memory"] == 2 * 3 * 128 * 128 * 2 + 1024 and len(kw["inputs"]) == 6

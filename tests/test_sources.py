@@ -6,6 +6,7 @@ from __future__ import annotations
 from importlib import resources
 
 import mlx.core as mx
+import pytest
 
 from jit_kernels import (
     cuda_paged_attention,
@@ -18,7 +19,7 @@ from jit_kernels import (
 from jit_kernels.geometry import Geometry
 
 G = Geometry(32, 8, 128, 16, mx.bfloat16, 128 ** -0.5)
-MLX_SOURCES = [cuda_paged_attention.SOURCE, metal_paged_attention.ATTENTION,
+MLX_SOURCES = [cuda_paged_attention.source(""), metal_paged_attention.ATTENTION,
                metal_paged_attention.MERGE, *page_gather.SOURCES.values()]
 UNITS = [hopper_paged_attention.kernel_source("k", G),
          hopper_prefill_attention.kernel_source("k", G)]
@@ -37,7 +38,7 @@ def test_every_kernel_file_reaches_a_kernel_once():
 
 
 def test_a_body_keeps_its_fragments_in_the_header():
-    mma = cuda_paged_attention.SOURCE
+    mma = cuda_paged_attention.source("")
     assert "__device__" not in mma.source and "q_shape[1]" in mma.source
     assert "online_softmax" in mma.header and "BLOCK_N = 64;" in mma.header
     assert "is_last" in mma.source  # split_merge.inc: body text where the kernel includes it
@@ -51,3 +52,19 @@ def test_hashes_follow_the_text():
     assert sources.mlx_kernel("page_gather.cu", "").hash != page_gather.SOURCES["cuda"].hash
     unit = sources.translation_unit("paged_attention_wgmma.cu", "", "sm_90a")
     assert unit.hash != sources.translation_unit("paged_attention_wgmma.cu", "", "sm_100a").hash
+
+
+def test_feature_flags_compile_each_variant_in_or_out():
+    """A variant's features are `#define`d 1, the others 0; each feature set is its own source
+    (and hash); a feature no kernel knows is refused."""
+    assert sources.feature_flags("") == "#define WINDOW 0\n#define SOFTCAP 0\n#define SINKS 0\n"
+    assert sources.feature_flags("window+sinks") == \
+        "#define WINDOW 1\n#define SOFTCAP 0\n#define SINKS 1\n"
+    sets = ["", "window", "softcap", "sinks", "window+softcap+sinks"]
+    for make in (cuda_paged_attention.source, lambda f: hopper_paged_attention.unit(f),
+                 lambda f: hopper_prefill_attention.unit(f)):
+        assert len({make(f).hash for f in sets}) == len(sets)
+    assert "W_WINDOW" in cuda_paged_attention.source("window").header
+    assert "W_WINDOW" not in cuda_paged_attention.source("sinks").header
+    with pytest.raises(ValueError, match="features"):
+        sources.feature_flags("window+alibi")

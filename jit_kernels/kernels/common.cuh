@@ -1,5 +1,5 @@
 // Device helpers of every CUDA kernel here: shared-memory addresses, 16-byte async copies,
-// the gpu-scope loads of the split merge, base-2 exponentials, rows of q and out.
+// the gpu-scope loads of the split merge, base-2 exponentials and reciprocals, rows of q and out.
 
 __device__ __forceinline__ uint32_t smem_addr(const void* p) {
   return static_cast<uint32_t>(__cvta_generic_to_shared(p));
@@ -37,6 +37,12 @@ __device__ __forceinline__ float4 load_relaxed(const float4* p) {
 __device__ __forceinline__ float fast_exp2(float x) {
   float y;
   asm("ex2.approx.ftz.f32 %0, %1;\n" : "=f"(y) : "f"(x));
+  return y;
+}
+// 1 / x; inf -> 0
+__device__ __forceinline__ float fast_rcp(float x) {
+  float y;
+  asm("rcp.approx.ftz.f32 %0, %1;\n" : "=f"(y) : "f"(x));
   return y;
 }
 // Element offset of row r of a query tile in q or out [T, H, D]: the tile's rows are

@@ -10,23 +10,28 @@
 //          counters int32 [2 num_tiles], zero between launches (split_merge.inc);
 //          after: never read, an output of the last launch that took the same counters, so
 //          that MLX runs the two in order (it orders the launches of one evaluation only by
-//          the buffers they share).
+//          the buffers they share); sinks [H] float32, one logit per query head (SINKS only).
 // Outputs: out [T, H, D] T; o_part [slots, BLOCK_M, D] float32, lse_part [slots, BLOCK_M]
 //          float32: the split tiles' scratch (split_merge.inc).
 // Grid:    a threadblock of 32 BLOCK_M / WARP_M threads (a warp per WARP_M rows) per item.
 // Template: T (__nv_bfloat16 or __half), HEAD_DIM, GROUP, BLOCK_M, WARP_M (16 or 32),
 //          STAGES, BS (block size, a power of two), QK_SCALE_BITS (the float32 bits of
-//          scale * log2(e)). Injected: BLOCK_N keys per K/V tile, PAD, MERGE_ROWS, W_ columns.
+//          scale * log2(e)); with SOFTCAP, CAP_IN_BITS and CAP_OUT_BITS (softmax.cuh's Logits).
+//          Injected: BLOCK_N keys per K/V tile, PAD, MERGE_ROWS, W_ columns (W_WINDOW with
+//          WINDOW), the features WINDOW, SOFTCAP, SINKS (0 or 1: softmax.cuh).
 // Smem:    STAGES K/V stages [K][V], each [BLOCK_N][HEAD_DIM + PAD], then Q [BLOCK_M][HEAD_DIM +
 //          PAD] when WARP_M = 32 (a warp re-reads its Q fragments every tile: the registers hold
 //          two m16 tiles' accumulators instead); with WARP_M = 16, Q passes through the last
 //          stage on its way to registers. A warp of 32 rows runs two m16 tiles against each K/V
 //          fragment it loads: half the ldmatrix traffic per product of 16-row warps.
 // Sentinels: a work item's SLOT -1: its tile is not split, its rows go to out; lse_part -inf:
-//          a split saw no key; keys at or past KV_END are zero-filled in smem, masked in S.
+//          a split saw no key; keys at or past KV_END, and with a window those below the
+//          tile's first visible key (never read: another request's pages may be there), are
+//          zero-filled in smem, masked in S.
 // Pipeline: STAGES - 1 K/V tiles in flight; one barrier per tile (after the wait, before
-//          refilling the stage the previous iteration read). Tiles past the causal frontier
-//          are never visited; tiles every row sees skip the mask.
+//          refilling the stage the previous iteration read). Tiles past the causal frontier,
+//          and a window's tiles left of it (the plan's KV_START), are never visited; tiles
+//          every row sees skip the mask.
 #include "common.cuh"
 #include "mma_sync.cuh"
 #include "softmax.cuh"
@@ -50,6 +55,9 @@
   const int seq = item[W_SEQ], tok0 = item[W_TOK0], ntok = item[W_NTOK], pos0 = item[W_POS0];
   const int kvh = item[W_KV_HEAD], kv_start = item[W_KV_START], kv_end = item[W_KV_END];
   const int slot = item[W_SLOT];
+#if WINDOW
+  const int key_lo = max(pos0 - item[W_WINDOW] + 1, 0);  // the tile's first visible key
+#endif
   const int H = q_shape[1], HKV = H / GROUP, MAX_BLOCKS = block_tables_shape[1];
   const T* kc = reinterpret_cast<const T*>(k_cache);  // caches may come as stored words
   const T* vc = reinterpret_cast<const T*>(v_cache);
@@ -66,7 +74,7 @@
   cp_async_commit();
 
   // K/V tile: each thread resolves the page of each of its rows once (K and V share it);
-  // keys at or past kv_end are zero-filled so masked P * V stays finite.
+  // keys at or past kv_end (or below key_lo) are zero-filled so masked P * V stays finite.
   const int* table = block_tables + static_cast<size_t>(seq) * MAX_BLOCKS;
   const size_t row_stride = static_cast<size_t>(HKV) * D;
   const size_t page_stride = row_stride * BS;
@@ -74,7 +82,11 @@
   auto load_kv = [&](int n0, int buf) {
     for (int r = tid / CHUNKS; r < BLOCK_N; r += ROWS_PER_PASS) {
       const int key = n0 + r;
+#if WINDOW
+      const bool ok = key < kv_end && key >= key_lo;
+#else
       const bool ok = key < kv_end;
+#endif
       const int kk = ok ? key : kv_start;
       const size_t off = static_cast<size_t>(table[kk / BS]) * page_stride +
                          static_cast<size_t>(kk % BS) * row_stride + head_off;
@@ -101,13 +113,8 @@
   if constexpr (MT == 1)
     for (int ks = 0; ks < KSTEPS; ++ks) q_frag(0, ks, qf[ks]);
 
-  float o[MT][DTILES][4] = {};
-  float m_run[MT][2], l_run[MT][2];
-  int pos_row[MT][2];
   const int row_lo = warp * WARP_M + lane / 4;  // this thread's rows: row_lo + 16 mt + 8 i
-  init_rows<GROUP>(m_run, l_run, pos_row, pos0, row_lo);
-  // keys < mask_from are visible to every row of the tile: those tiles skip the mask
-  const int mask_from = min(pos0 + 1, kv_end);
+#include "row_state.inc"
 
   for (int t = 0; t < num_tiles; ++t) {
     const int n0 = kv_start + t * BLOCK_N, buf = t % STAGES;
@@ -141,7 +148,7 @@
       }
     }
     float alpha[MT][2];
-    online_softmax(s, m_run, l_run, alpha, pos_row, n0, mask_from, kv_end, lane, scale_log2);
+    online_softmax(s, m_run, l_run, alpha, pos_row, n0, logits, lane, scale_log2);
     rescale_o(o, alpha);
     for (int kk = 0; kk < BLOCK_N / 16; ++kk) {  // O += P V, P re-packed as the A operand
       uint32_t a[MT][4];

@@ -4,16 +4,18 @@
 // O += P V read K and V straight from shared memory, where the mma.sync kernel has every warp
 // load every K/V fragment for its own 16 rows: a quarter of the shared-memory traffic.
 //
-// Inputs, outputs, grid: as paged_attention_mma.cu's (BLOCK_M = 64, WARP_M = 16), then the
-//          scalars H (query heads) and MAX_BLOCKS (block_tables' width).
+// Inputs, outputs, grid: as paged_attention_mma.cu's (BLOCK_M = 64, WARP_M = 16; sinks with
+//          SINKS only), then the scalars H (query heads) and MAX_BLOCKS (block_tables' width).
 // Compile-time: T (16-bit storage), AB ("bf16" / "f16"), HEAD_DIM (128), GROUP,
 //          BS, QK_SCALE_BITS, STAGES, BLOCK_M (64), NUM_THREADS (128: one warpgroup),
-//          MIN_BLOCKS_PER_SM, KERNEL_NAME; BLOCK_N, MERGE_ROWS and the W_ columns.
+//          MIN_BLOCKS_PER_SM, KERNEL_NAME; BLOCK_N, MERGE_ROWS and the W_ columns; the features
+//          WINDOW, SOFTCAP (with CAP_IN_BITS, CAP_OUT_BITS), SINKS (softmax.cuh).
 // Smem (1024-byte aligned; the launch asks for 1024 bytes of slack): STAGES x [K tile][V tile],
 //          each [HEAD_DIM / 64][BLOCK_N][64] in the 128-byte swizzle: 16-byte chunk c of key row
 //          r at chunk c ^ (r % 8). K is the B operand K-major (keys are its N), V the B operand
 //          N-major (transposed: keys are its K).
-// Sentinels: as paged_attention_mma.cu's; the padding rows of a tile (past NTOK * GROUP) take
+// Sentinels: as paged_attention_mma.cu's (a window's keys below the tile's first visible key
+//          zero-filled, never read, as those past KV_END); the padding rows of a tile (past NTOK * GROUP) take
 //          part in the warpgroup MMAs as zero rows of Q and are never stored.
 // Pipeline: STAGES - 1 K/V tiles in flight; per tile one barrier, then S by HEAD_DIM / 16
 //          m64nBLOCK_Nk16 wgmmas, the next tile's loads issued while they run, the softmax in
@@ -25,8 +27,11 @@
 
 extern "C" __global__ void __launch_bounds__(NUM_THREADS, MIN_BLOCKS_PER_SM)
 KERNEL_NAME(const T* q, const T* k_cache, const T* v_cache, const int* block_tables,
-            const int* work, const int* counters, const int* after, T* out, float* o_part,
-            float* lse_part, int H, int MAX_BLOCKS) {
+            const int* work, const int* counters, const int* after,
+#if SINKS
+            const float* sinks,
+#endif
+            T* out, float* o_part, float* lse_part, int H, int MAX_BLOCKS) {
   constexpr int D = HEAD_DIM, CHUNKS = D / 8, KSTEPS = D / 16, DTILES = D / 8, NTILES = BLOCK_N / 8;
   constexpr int MT = 1, ROWS_PER_PASS = NUM_THREADS / CHUNKS;
   constexpr int HALF = BLOCK_N * 64, TILE = BLOCK_N * D;  // elements: a 64-column block, a tile
@@ -43,6 +48,9 @@ KERNEL_NAME(const T* q, const T* k_cache, const T* v_cache, const int* block_tab
   const int seq = item[W_SEQ], tok0 = item[W_TOK0], ntok = item[W_NTOK], pos0 = item[W_POS0];
   const int kvh = item[W_KV_HEAD], kv_start = item[W_KV_START], kv_end = item[W_KV_END];
   const int slot = item[W_SLOT];
+#if WINDOW
+  const int key_lo = max(pos0 - item[W_WINDOW] + 1, 0);  // the tile's first visible key
+#endif
   const int HKV = H / GROUP;
   const T* kc = reinterpret_cast<const T*>(k_cache);  // caches may come as stored words
   const T* vc = reinterpret_cast<const T*>(v_cache);
@@ -61,9 +69,14 @@ KERNEL_NAME(const T* q, const T* k_cache, const T* v_cache, const int* block_tab
 #pragma unroll
     for (int pass = 0; pass < BLOCK_N / ROWS_PER_PASS; ++pass) {
       const int r = tid / CHUNKS + pass * ROWS_PER_PASS, key = n0 + r;
+#if WINDOW
+      const bool ok = key < kv_end && key >= key_lo;  // as the mma.sync kernel's
+#else
       const bool ok = key < kv_end;
+#endif
       // a pass's rows share one page: one broadcast table load (measured faster where three
-      // blocks share an SM, slower one call at a time at short splits: docs/gpu.md)
+      // blocks share an SM, slower one call at a time at short splits: docs/kernels.md, "The
+      // paged kernel on Hopper: wgmma")
       const int first = n0 + pass * ROWS_PER_PASS;
       const size_t off =
           static_cast<size_t>(table[(first < kv_end ? first : kv_start) / BS]) * page_stride +
@@ -82,11 +95,7 @@ KERNEL_NAME(const T* q, const T* k_cache, const T* v_cache, const int* block_tab
   const int row_lo = warp * 16 + lane / 4;
   uint32_t qf[KSTEPS][4];
   load_q_fragments<GROUP>(qf, q, tok0, H, kvh, row_lo, rows, lane);
-  float o[MT][DTILES][4] = {};
-  float m_run[MT][2], l_run[MT][2];
-  int pos_row[MT][2];
-  init_rows<GROUP>(m_run, l_run, pos_row, pos0, row_lo);
-  const int mask_from = min(pos0 + 1, kv_end);
+#include "row_state.inc"
 
   for (int t = 0; t < num_tiles; ++t) {
     const int n0 = kv_start + t * BLOCK_N, buf = t % STAGES;
@@ -104,7 +113,7 @@ KERNEL_NAME(const T* q, const T* k_cache, const T* v_cache, const int* block_tab
     wgmma_wait<0>();
     pin(s);
     float alpha[MT][2];
-    online_softmax(s, m_run, l_run, alpha, pos_row, n0, mask_from, kv_end, lane, scale_log2);
+    online_softmax(s, m_run, l_run, alpha, pos_row, n0, logits, lane, scale_log2);
     rescale_o(o, alpha);
     uint32_t p[BLOCK_N / 16][4];  // P as the A operand, 16 keys per k-step
     pack_p<T>(p, s[0]);

@@ -1,6 +1,7 @@
 // Long prefills over cached prefixes on Hopper (sm_90a, compiled by NVRTC): a warp-specialized
 // kernel that loads K/V pages with TMA. A threadblock of three warpgroups takes one work item
-// of an unsplit 128-row plan (KV_START = 0): 128 query rows of one kv head, all their keys.
+// of an unsplit 128-row plan: 128 query rows of one kv head, all their keys (KV_START = 0, or
+// with a window the KV_TILE holding the tile's first visible key).
 // - the producer's first warp loads each K/V tile of KV_TILE keys page by page: a lane per K
 //   box (half a page), a lane per V box (a page), each lane holding its page's block id one
 //   tile ahead, into a ring of STAGES stages;
@@ -10,16 +11,20 @@
 //
 // Inputs:  q [T, H, 128] T; k_cache, v_cache (rows of [Hkv, 128], 16-bit, any dtype);
 //          block_tables [S, MAX_BLOCKS] int32; work [items, WORK_COLS] int32 (plan.py);
-//          tmaps uint8 [256]: the K and V map templates of these caches (tma.py).
+//          tmaps uint8 [256]: the K and V map templates of these caches (tma.py);
+//          sinks [H] float32, one logit per query head (SINKS only).
 // Outputs: out [T, H, 128] T (rows of sequences the plan leaves out are not written);
 //          maps uint8 [items * 256]: each block's K and V maps, patched with the caches'
 //          addresses.
 // Scalars: H (query heads), MAX_BLOCKS (block_tables' width).
 // Grid:    one block of NUM_THREADS (384) per work item.
 // Compile-time: T, AB, HEAD_DIM (128), GROUP, BS (8, 16 or 32), BLOCK_M (128), KV_TILE, STAGES,
-//          QK_SCALE_BITS, NUM_THREADS, PRODUCER_REGS, CONSUMER_REGS, KERNEL_NAME; W_ columns.
+//          QK_SCALE_BITS, NUM_THREADS, PRODUCER_REGS, CONSUMER_REGS, KERNEL_NAME; W_ columns;
+//          the features WINDOW, SOFTCAP (with CAP_IN_BITS, CAP_OUT_BITS), SINKS (softmax.cuh).
 // Sentinels: the padding rows of a tile (past NTOK * GROUP) are zero rows of Q, never stored;
-//          the last tile's V rows past KV_END hold other pages' data and are zeroed.
+//          the last tile's V rows past KV_END hold other pages' data and are zeroed; with a
+//          window, a first tile's pages wholly left of its first visible key are never read:
+//          their slots take that key's page again (masked out, their V rows zeroed).
 // Smem (1024-byte aligned; the launch asks for 1024 bytes of slack): STAGES x [K tile
 //          [2][KV_TILE][64]][V tile: per page [2][BS][64]], swizzled; a K slot and a V slot each
 //          have a "full" barrier (the producer's loads) and an "empty" one (every consumer
@@ -40,8 +45,11 @@ __device__ __forceinline__ uint64_t paged_v_desc(uint32_t v_t, int kk) {
 
 extern "C" __global__ void __launch_bounds__(NUM_THREADS, 1)
 KERNEL_NAME(const T* q, const T* k_cache, const T* v_cache, const int* block_tables,
-            const int* work, const unsigned char* tmaps, T* out, unsigned char* maps, int H,
-            int MAX_BLOCKS) {
+            const int* work, const unsigned char* tmaps,
+#if SINKS
+            const float* sinks,
+#endif
+            T* out, unsigned char* maps, int H, int MAX_BLOCKS) {
   constexpr int D = HEAD_DIM, KSTEPS = D / 16, DTILES = D / 8, NTILES = KV_TILE / 8, MT = 1;
   constexpr int HALF = KV_TILE * 64, TILE = KV_TILE * D;
   constexpr int PAGE_BYTES = BS * 256, PAGES_PER_TILE = KV_TILE / BS;
@@ -59,6 +67,9 @@ KERNEL_NAME(const T* q, const T* k_cache, const T* v_cache, const int* block_tab
   const int kvh = item[W_KV_HEAD], kv_start = item[W_KV_START], kv_end = item[W_KV_END];
   const int rows = ntok * GROUP;
   const int num_tiles = (kv_end - kv_start + KV_TILE - 1) / KV_TILE;
+#if WINDOW
+  const int key_lo = max(pos0 - item[W_WINDOW] + 1, 0);  // the tile's first visible key
+#endif
   unsigned char* maps_g = maps + static_cast<size_t>(blockIdx.x) * 256;
 
   if (tid < 32) {  // the block's K and V maps: the templates, with the caches' addresses
@@ -83,9 +94,15 @@ KERNEL_NAME(const T* q, const T* k_cache, const T* v_cache, const int* block_tab
       const int* table = block_tables + static_cast<size_t>(seq) * MAX_BLOCKS;
       const int p = lane / 2, h = lane % 2;
       // the block id of page p of a tile at key n0, read a tile ahead of its loads (between a
-      // slot's release and its loads the table read cost time: docs/gpu.md)
+      // slot's release and its loads the table read cost time: docs/kernels.md, "The prefill
+      // kernel (Hopper, TMA)")
       auto block_of = [&](int n0) {
-        return lane < 2 * PAGES_PER_TILE && n0 + p * BS < kv_end ? table[n0 / BS + p] : 0;
+#if WINDOW
+        const int page = max(n0 / BS + p, key_lo / BS);  // never a page left of the window
+#else
+        const int page = n0 / BS + p;
+#endif
+        return lane < 2 * PAGES_PER_TILE && n0 + p * BS < kv_end ? table[page] : 0;
       };
       int next = block_of(kv_start);
       for (int t = 0; t < num_tiles; ++t) {
@@ -119,11 +136,26 @@ KERNEL_NAME(const T* q, const T* k_cache, const T* v_cache, const int* block_tab
   const float scale_log2 = __int_as_float(QK_SCALE_BITS);
   uint32_t qf[KSTEPS][4];
   load_q_fragments<GROUP>(qf, q, tok0, H, kvh, row_lo, rows, lane);
-  float o[MT][DTILES][4] = {};
-  float m_run[MT][2], l_run[MT][2];
-  int pos_row[MT][2];
-  init_rows<GROUP>(m_run, l_run, pos_row, pos0, row_lo);
-  const int mask_from = min(pos0 + 1, kv_end);
+#include "row_state.inc"
+
+  // V rows of a stage's tile whose keys the item does not read hold other data: past kv_end
+  // another page's rows, below a window's first visible key that key's page again (its rows
+  // past the sequence's end included). P is 0 there; V is made 0 too, for both consumers.
+  auto clear_v = [&](int stage, int n0) {
+    T* v_s = sK + (2 * stage + 1) * TILE;
+    for (int i = tid - 128; i < KV_TILE * 16; i += 256) {
+      const int r = i / 16, c = i % 16;  // key r of the tile, 16-byte chunk c of its row
+#if WINDOW
+      if (n0 + r >= kv_end || n0 + r < key_lo)
+#else
+      if (n0 + r >= kv_end)
+#endif
+        *reinterpret_cast<uint4*>(v_s + (r / BS) * BS * 128 + (c / 8) * BS * 64 +
+                                  (r % BS) * 64 + (c % 8) * 8) = make_uint4(0u, 0u, 0u, 0u);
+    }
+    fence_async_smem();
+    asm volatile("bar.sync 1, 256;" ::: "memory");
+  };
 
   float s[MT][NTILES][4];
   uint32_t p[KV_TILE / 16][4];
@@ -136,7 +168,7 @@ KERNEL_NAME(const T* q, const T* k_cache, const T* v_cache, const int* block_tab
     pin(s);
     mbar_arrive(smem_addr(&empty_k[0]));
     float alpha[MT][2];  // O is zero: nothing to rescale
-    online_softmax(s, m_run, l_run, alpha, pos_row, n0, mask_from, kv_end, lane, scale_log2);
+    online_softmax(s, m_run, l_run, alpha, pos_row, n0, logits, lane, scale_log2);
     pack_p<T>(p, s[0]);
   }
   for (int t = 0; t + 1 < num_tiles; ++t) {  // S of tile t + 1 and O += P V of tile t at once
@@ -147,13 +179,16 @@ KERNEL_NAME(const T* q, const T* k_cache, const T* v_cache, const int* block_tab
     const int n0 = kv_start + (t + 1) * KV_TILE;
     mbar_wait(smem_addr(&full_v[stage]), phase);
     mbar_wait(smem_addr(&full_k[nstage]), nphase);
+#if WINDOW
+    if (t == 0 && kv_start < key_lo) clear_v(stage, kv_start);
+#endif
     s_issue(s, qf, k_t);
     pv_issue(o, p, [&](int kk) { return paged_v_desc(v_t, kk); });
     wgmma_wait<1>();  // S is done: its softmax runs while the tensor cores do P V
     pin(s);
     mbar_arrive(smem_addr(&empty_k[nstage]));
     float alpha[MT][2];
-    online_softmax(s, m_run, l_run, alpha, pos_row, n0, mask_from, kv_end, lane, scale_log2);
+    online_softmax(s, m_run, l_run, alpha, pos_row, n0, logits, lane, scale_log2);
     wgmma_wait<0>();
     pin(o);
     mbar_arrive(smem_addr(&empty_v[stage]));
@@ -165,17 +200,11 @@ KERNEL_NAME(const T* q, const T* k_cache, const T* v_cache, const int* block_tab
     const int n0 = kv_start + t * KV_TILE;
     const uint32_t v_t = smem_addr(sK + (2 * stage + 1) * TILE);
     mbar_wait(smem_addr(&full_v[stage]), phase);
-    if (n0 + KV_TILE > kv_end) {  // rows past the range hold other data: P is 0 there, V too
-      T* v_s = sK + (2 * stage + 1) * TILE;
-      for (int i = tid - 128; i < KV_TILE * 16; i += 256) {
-        const int r = i / 16, c = i % 16;  // key r of the tile, 16-byte chunk c of its row
-        if (n0 + r >= kv_end)
-          *reinterpret_cast<uint4*>(v_s + (r / BS) * BS * 128 + (c / 8) * BS * 64 +
-                                    (r % BS) * 64 + (c % 8) * 8) = make_uint4(0u, 0u, 0u, 0u);
-      }
-      fence_async_smem();
-      asm volatile("bar.sync 1, 256;" ::: "memory");  // both consumers read the tile
-    }
+#if WINDOW
+    if (n0 + KV_TILE > kv_end || n0 < key_lo) clear_v(stage, n0);
+#else
+    if (n0 + KV_TILE > kv_end) clear_v(stage, n0);
+#endif
     wgmma_fence();
     pv_issue(o, p, [&](int kk) { return paged_v_desc(v_t, kk); });
     wgmma_wait<0>();
@@ -183,9 +212,14 @@ KERNEL_NAME(const T* q, const T* k_cache, const T* v_cache, const int* block_tab
   }
 
   for (int i = 0; i < 2; ++i) {
-    const float l = row_sum(l_run[0][i]);
-    const float inv = l > 0.f ? 1.f / l : 0.f;
     const int row = row_lo + 8 * i;
+#if SINKS
+    const float l = with_sink(row_sum(l_run[0][i]), m_run[0][i] * scale_log2,
+                              sinks[kvh * GROUP + row % GROUP]);
+#else
+    const float l = row_sum(l_run[0][i]);
+#endif
+    const float inv = l > 0.f ? 1.f / l : 0.f;
     if (row >= rows) continue;
     store_row(out + row_offset<GROUP, D>(tok0, H, kvh, row), o[0], i, inv, lane);
   }

@@ -2,9 +2,49 @@
 // scores s[MT][NTILES][4] are in the m16n8 accumulator layout (which wgmma's accumulators
 // share): this thread holds rows row_lo + 16 mt + 8 i (m16 tile mt, half i) at keys
 // n0 + 8 nt + 2 (lane % 4) + {0, 1}, elements 2 i and 2 i + 1 of s[mt][nt]. A row's running
-// max m_run (in score units) and sum l_run are this thread's share: its quad holds the row.
+// max m_run (in score units: q.k, scale * log2(e) times them are log2 units) and sum l_run are
+// this thread's share: its quad holds the row.
+// The variant's features are compiled in or out (the prelude defines WINDOW, SOFTCAP and SINKS
+// 0 or 1): a window of W keys masks keys at or below a row's position - W; a cap bends the
+// scores before the mask; a row's sink joins its sum where the row is normalised.
 // Needs Mma<T>::pack (mma_sync.cuh or wgmma.cuh) for P as an A operand.
 #include "common.cuh"
+
+// What a work item's rows see and how its scores become logits (row_state.inc builds it once
+// per item).
+struct Logits {
+  int mask_from;  // keys below it are causally visible to every row of the tile
+  int kv_end;     // keys from it on are masked
+#if WINDOW
+  int window;       // W: a row at position p sees keys p - W + 1 .. p
+  int window_from;  // keys from it on are inside every row's window
+#endif
+#if SOFTCAP
+  float cap_in, cap_out;  // 2 log2(e) scale / cap and cap / scale (score units)
+#endif
+};
+
+#if SOFTCAP
+// The cap in score units, cap / scale tanh(scale s / cap), as cap_out (1 - 2 / (e^2x + 1)):
+// its error stays absolute (~1e-7 of the cap) where tanh saturates and where it crosses 0.
+template <int MT, int NTILES>
+__device__ __forceinline__ void cap_scores(float (&s)[MT][NTILES][4], const Logits& logits) {
+  for (int mt = 0; mt < MT; ++mt)
+    for (int nt = 0; nt < NTILES; ++nt)
+      for (int e = 0; e < 4; ++e)
+        s[mt][nt][e] = fmaf(-2.f * logits.cap_out,
+                            fast_rcp(fast_exp2(s[mt][nt][e] * logits.cap_in) + 1.f),
+                            logits.cap_out);
+}
+#endif
+
+#if SINKS
+// A row's sum l (relative to its max m_log2, log2 units) with its sink logit (natural units, as
+// the model holds it) joined: once per row, where the row is normalised.
+__device__ __forceinline__ float with_sink(float l, float m_log2, float sink) {
+  return l + fast_exp2(fmaf(sink, 1.44269504f, -m_log2));  // log2(e)
+}
+#endif
 
 // The running state of this thread's rows before the first tile; pos_row: a row's absolute
 // position, the last key it sees.
@@ -19,20 +59,33 @@ __device__ __forceinline__ void init_rows(float (&m_run)[MT][2], float (&l_run)[
     }
 }
 
-// One tile of keys n0 .. n0 + 8 NTILES: scores masked by position where the tile reaches
-// mask_from (keys below it are visible to every row) or kv_end, then turned into
-// probabilities; m_run and l_run updated, alpha the running output's rescale (rescale_o).
+// One tile of keys n0 .. n0 + 8 NTILES: scores capped (SOFTCAP), masked by position where the
+// tile reaches mask_from (keys below it are visible to every row) or kv_end, or (WINDOW) holds
+// keys below window_from, then turned into probabilities; m_run and l_run updated, alpha the
+// running output's rescale (rescale_o).
 template <int MT, int NTILES>
 __device__ __forceinline__ void online_softmax(float (&s)[MT][NTILES][4], float (&m_run)[MT][2],
                                                float (&l_run)[MT][2], float (&alpha)[MT][2],
-                                               const int (&pos_row)[MT][2], int n0, int mask_from,
-                                               int kv_end, int lane, float scale_log2) {
-  if (n0 + 8 * NTILES > mask_from) {  // diagonal or last tile: mask by position
+                                               const int (&pos_row)[MT][2], int n0,
+                                               const Logits& logits, int lane, float scale_log2) {
+  const int mask_from = logits.mask_from, kv_end = logits.kv_end;
+#if SOFTCAP
+  cap_scores(s, logits);
+#endif
+#if WINDOW
+  const bool window_edge = n0 < logits.window_from;
+#else
+  constexpr bool window_edge = false;
+#endif
+  if (n0 + 8 * NTILES > mask_from || window_edge) {  // diagonal, last or window-edge tile
     for (int mt = 0; mt < MT; ++mt)
       for (int nt = 0; nt < NTILES; ++nt)
         for (int e = 0; e < 4; ++e) {
           const int key = n0 + nt * 8 + (lane % 4) * 2 + (e & 1);
           if (key > pos_row[mt][e / 2] || key >= kv_end) s[mt][nt][e] = -INFINITY;
+#if WINDOW
+          if (key <= pos_row[mt][e / 2] - logits.window) s[mt][nt][e] = -INFINITY;
+#endif
         }
   }
   for (int mt = 0; mt < MT; ++mt)

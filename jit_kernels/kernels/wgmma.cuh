@@ -43,46 +43,39 @@ __device__ __forceinline__ uint64_t smem_desc(uint32_t addr, uint32_t lead, uint
 }
 
 // d (+)= A (64 x 16, registers: a[4]) B (16 x N, shared memory at descriptor b), d[N / 2] a
-// thread; `accumulate` false overwrites d; TRANS_B 1: B is N-major.
-template <int TRANS_B>
-__device__ __forceinline__ void wgmma_n64(float* d, const uint32_t* a, bool accumulate, uint64_t b) {
-  asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %37, 0;\n"
-               "wgmma.mma_async.sync.aligned.m64n64k16.f32." AB "." AB " "
-               "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, "
-               "%18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}, "
-               "{%32, %33, %34, %35}, %36, p, 1, 1, %38;\n}\n"
-               : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]),
-                 "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]),
-                 "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]),
-                 "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]),
-                 "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]),
-                 "+f"(d[31])
-               : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b), "r"(int(accumulate)),
-                 "n"(TRANS_B));
-}
-template <int TRANS_B>
-__device__ __forceinline__ void wgmma_n128(float* d, const uint32_t* a, bool accumulate, uint64_t b) {
-  asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %69, 0;\n"
-               "wgmma.mma_async.sync.aligned.m64n128k16.f32." AB "." AB " "
-               "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, "
-               "%18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, "
-               "%34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, "
-               "%50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63}, "
-               "{%64, %65, %66, %67}, %68, p, 1, 1, %70;\n}\n"
-               : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]),
-                 "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]),
-                 "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]),
-                 "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]),
-                 "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]),
-                 "+f"(d[31]), "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]),
-                 "+f"(d[37]), "+f"(d[38]), "+f"(d[39]), "+f"(d[40]), "+f"(d[41]), "+f"(d[42]),
-                 "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]), "+f"(d[48]),
-                 "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]),
-                 "+f"(d[55]), "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]),
-                 "+f"(d[61]), "+f"(d[62]), "+f"(d[63])
-               : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b), "r"(int(accumulate)),
-                 "n"(TRANS_B));
-}
+// thread; `accumulate` false overwrites d; TRANS_B 1: B is N-major. WGMMA_N defines wgmma_n<N>
+// for one N: the accumulators' placeholders D_REGS ("%0, .., %(N/2 - 1)") and operands D_OPS,
+// then the placeholders of A's four registers, B's descriptor, `accumulate` and TRANS_B.
+#define WGMMA_D8(i) "+f"(d[i]), "+f"(d[i + 1]), "+f"(d[i + 2]), "+f"(d[i + 3]), "+f"(d[i + 4]), \
+                    "+f"(d[i + 5]), "+f"(d[i + 6]), "+f"(d[i + 7])
+#define WGMMA_D32(i) WGMMA_D8(i), WGMMA_D8(i + 8), WGMMA_D8(i + 16), WGMMA_D8(i + 24)
+#define WGMMA_D64 WGMMA_D32(0), WGMMA_D32(32)
+#define WGMMA_REGS_0_31 "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, " \
+                        "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, " \
+                        "%30, %31"
+#define WGMMA_REGS_0_63 WGMMA_REGS_0_31 ", %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, " \
+                        "%42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, " \
+                        "%56, %57, %58, %59, %60, %61, %62, %63"
+#define WGMMA_N(N, D_REGS, D_OPS, A0, A1, A2, A3, B, ACC, TRANS)                                 \
+  template <int TRANS_B>                                                                         \
+  __device__ __forceinline__ void wgmma_n##N(float* d, const uint32_t* a, bool accumulate,       \
+                                             uint64_t b) {                                       \
+    asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %" #ACC ", 0;\n"                              \
+                 "wgmma.mma_async.sync.aligned.m64n" #N "k16.f32." AB "." AB " "                 \
+                 "{" D_REGS "}, {%" #A0 ", %" #A1 ", %" #A2 ", %" #A3 "}, %" #B ", p, 1, 1, %"   \
+                 #TRANS ";\n}\n"                                                                 \
+                 : D_OPS                                                                         \
+                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b), "r"(int(accumulate)),     \
+                   "n"(TRANS_B));                                                                \
+  }
+WGMMA_N(64, WGMMA_REGS_0_31, WGMMA_D32(0), 32, 33, 34, 35, 36, 37, 38)
+WGMMA_N(128, WGMMA_REGS_0_63, WGMMA_D64, 64, 65, 66, 67, 68, 69, 70)
+#undef WGMMA_N
+#undef WGMMA_REGS_0_63
+#undef WGMMA_REGS_0_31
+#undef WGMMA_D64
+#undef WGMMA_D32
+#undef WGMMA_D8
 
 // Q as the A operand of rows row_lo and row_lo + 8 of a tile (a warp's 16 rows), straight
 // from global memory; padding rows (rows and past) are zero.
