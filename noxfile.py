@@ -39,6 +39,7 @@ def tests(session):
     # Here the serving tests must run: a missing piece of the install fails them, not skips.
     session.run("pytest", "-m", "not gpu and not emulated",
                 "--ignore=tests/test_serving_architectures.py",
+                "--ignore=tests/test_serving_architectures_http.py",
                 "--ignore=tests/test_serving_hybrid.py", *session.posargs,
                 env={"PAGED_PREFIX_REQUIRE_SERVING": "1"})
 
@@ -46,9 +47,11 @@ def tests(session):
 @nox.session(name="serving-architectures", python=PYTHON)
 def serving_architectures(session):
     """vllm.LLM through the plugin on every architecture's test model: vLLM inspects each new
-    architecture's class once per machine (~45 s each on 2 CPU cores), then ~2 min."""
+    architecture's class once per machine (~45 s each on 2 CPU cores), then ~2 min; and `vllm
+    serve` of two of them through the HTTP API (~3 min)."""
     install(session, "test", "serve")
-    session.run("pytest", "tests/test_serving_architectures.py", *session.posargs,
+    session.run("pytest", "tests/test_serving_architectures.py",
+                "tests/test_serving_architectures_http.py", *session.posargs,
                 env={"PAGED_PREFIX_REQUIRE_SERVING": "1"})
 
 
