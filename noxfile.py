@@ -1,6 +1,6 @@
-"""Sessions: tests (default), serving-architectures, metal_emulated, demo, bench, cpu-blas,
-serve-bench, lint; cuda and metal run the GPU tests and benchmarks where that MLX backend exists
-(docs/results.md)."""
+"""Sessions: tests (default), serving-architectures, serving-hybrid, metal_emulated, demo, bench,
+cpu-blas, serve-bench, lint; cuda and metal run the GPU tests and benchmarks where that MLX
+backend exists (docs/results.md)."""
 
 import sys
 from pathlib import Path
@@ -38,16 +38,29 @@ def tests(session):
     install(session, "test", "serve")
     # Here the serving tests must run: a missing piece of the install fails them, not skips.
     session.run("pytest", "-m", "not gpu and not emulated",
-                "--ignore=tests/test_serving_architectures.py", *session.posargs,
+                "--ignore=tests/test_serving_architectures.py",
+                "--ignore=tests/test_serving_architectures_http.py",
+                "--ignore=tests/test_serving_hybrid.py", *session.posargs,
                 env={"PAGED_PREFIX_REQUIRE_SERVING": "1"})
 
 
 @nox.session(name="serving-architectures", python=PYTHON)
 def serving_architectures(session):
     """vllm.LLM through the plugin on every architecture's test model: vLLM inspects each new
-    architecture's class once per machine (~45 s each on 2 CPU cores), then ~2 min."""
+    architecture's class once per machine (~45 s each on 2 CPU cores), then ~2 min; and `vllm
+    serve` of two of them through the HTTP API (~3 min)."""
     install(session, "test", "serve")
-    session.run("pytest", "tests/test_serving_architectures.py", *session.posargs,
+    session.run("pytest", "tests/test_serving_architectures.py",
+                "tests/test_serving_architectures_http.py", *session.posargs,
+                env={"PAGED_PREFIX_REQUIRE_SERVING": "1"})
+
+
+@nox.session(name="serving-hybrid", python=PYTHON)
+def serving_hybrid(session):
+    """vllm.LLM through the plugin on the hybrid models' test folders (docs/hybrid.md), caching
+    off and on, chunks inside a state block, preemption: ~2 min on 2 CPU cores."""
+    install(session, "test", "serve")
+    session.run("pytest", "tests/test_serving_hybrid.py", *session.posargs,
                 env={"PAGED_PREFIX_REQUIRE_SERVING": "1"})
 
 

@@ -26,13 +26,14 @@ import sys
 import time
 from pathlib import Path
 
-from bench import serve_plot
+from bench import multi_turn, serve_plot
 from bench.serve_progress import run_client, server_log_status
 from bench.vllm_server import VLLM_CLI, VllmServer, metric_total
 from paged_prefix.convert_smollm2 import models_root, smollm2_folder
 from paged_prefix.models import write_folder
 
 SETTINGS = {"off": "--no-enable-prefix-caching", "on": "--enable-prefix-caching"}
+CPU_SIZED = ("qwen3-next-small",)
 DEFAULT_CONCURRENCY = 8
 
 
@@ -41,11 +42,14 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--model", default=None,
                    help="mlx-lm folder (default: SmolLM2-135M, convert_smollm2's default variant)")
     p.add_argument("--random-weights", default=None,
-                   choices=("llama-1b", "llama-8b", "gemma3-1b", "gpt-oss-20b"),
+                   choices=("llama-1b", "llama-8b", "gemma3-1b", "gpt-oss-20b",
+                            "qwen3-next-small"),
                    help="instead of --model: this built-in GPU-sized config with seeded random "
                         "bf16 weights and SmolLM2's tokenizer (greedy outputs are arbitrary but "
                         "still compared off vs on); gemma3-1b and gpt-oss-20b have sliding "
-                        "windows, gpt-oss-20b sinks and experts (~40 GB of weights)")
+                        "windows, gpt-oss-20b sinks and experts (~40 GB of weights); "
+                        "qwen3-next-small is a CPU-sized hybrid model (recurrent state in "
+                        "vLLM's blocks: docs/hybrid.md)")
     p.add_argument("--tokenizer", type=Path, default=None,
                    help="tokenizer folder for --random-weights (default: SmolLM2's)")
     p.add_argument("--num-prefixes", type=int, default=4)
@@ -68,6 +72,10 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="with --against: multi-turn conversations at once (default 4)")
     p.add_argument("--turns", type=int, default=None,
                    help="with --against: turns per conversation (default 6)")
+    p.add_argument("--multi-turn", action="store_true",
+                   help="after the prefix-repetition client, also bench/multi_turn.py's "
+                        "conversations against each server (TTFT per turn; hits and prefill "
+                        "tokens counted over them alone)")
     p.add_argument("--max-model-len", type=int, default=1024)
     p.add_argument("--kv-cache-memory-bytes", type=int, default=512 << 20)
     p.add_argument("--out", type=Path, default=Path("results/serve_bench"))
@@ -145,15 +153,29 @@ def run_setting(setting: str, model: str, args: argparse.Namespace) -> dict:
         run_client(client, args.out / f"client-{setting}.log", label, num_requests(args),
                    args.client_timeout, server_log_status(server_log))
         metrics = server.metrics()
+        turns = None
+        if args.multi_turn:
+            print(f"[{label}] multi-turn conversations", flush=True)
+            turns = multi_turn.run(server.url, server.served_name,
+                                   multi_turn.Workload(seed=args.seed))
+            turns.update(cache_counts(server.metrics(), metrics))
     result = client_metrics(json.loads((args.out / result_file).read_text()))
-    queries = metric_total(metrics, "vllm:prefix_cache_queries_total")
-    hits = metric_total(metrics, "vllm:prefix_cache_hits_total")
-    return {**result,
-            "prefix_cache_hit_rate": hits / queries if queries else 0.0,
-            "prefill_tokens_computed": metric_total(metrics, "vllm:prompt_tokens_by_source_total",
-                                                    source="local_compute"),
-            "prefill_tokens_from_cache": metric_total(metrics, "vllm:prompt_tokens_by_source_total",
-                                                      source="local_cache_hit")}
+    return {**result, **cache_counts(metrics), **({"multi_turn": turns} if turns else {})}
+
+
+def cache_counts(metrics: str, before: str | None = None) -> dict:
+    """The server's prefix-cache hit rate and prompt tokens computed and read from the cache,
+    since `before` (another /metrics reading) when given."""
+    def total(name: str, **labels) -> float:
+        since = metric_total(before, name, **labels) if before is not None else 0.0
+        return metric_total(metrics, name, **labels) - since
+
+    queries, hits = total("vllm:prefix_cache_queries_total"), total("vllm:prefix_cache_hits_total")
+    return {"prefix_cache_hit_rate": hits / queries if queries else 0.0,
+            "prefill_tokens_computed": total("vllm:prompt_tokens_by_source_total",
+                                             source="local_compute"),
+            "prefill_tokens_from_cache": total("vllm:prompt_tokens_by_source_total",
+                                               source="local_cache_hit")}
 
 
 def table(results: dict, columns: tuple[str, ...] = ("off", "on"),
@@ -176,6 +198,18 @@ def table(results: dict, columns: tuple[str, ...] = ("off", "on"),
     return "\n".join(lines)
 
 
+def multi_turn_table(off: dict, on: dict) -> str:
+    """TTFT per turn (median of the conversations), hit rate and prefill tokens, off vs on."""
+    lines = [f"{'multi-turn':<26}{'off':>12}{'on':>12}"]
+    for t, (a, b) in enumerate(zip(off["ttft_p50_ms_per_turn"], on["ttft_p50_ms_per_turn"])):
+        lines.append(f"{f'TTFT turn {t + 1} p50 (ms)':<26}{a:>12.0f}{b:>12.0f}")
+    for label, key, fmt in (("prefix-cache hit rate", "prefix_cache_hit_rate", "{:.1%}"),
+                            ("prefill tokens computed", "prefill_tokens_computed", "{:.0f}"),
+                            ("prefill tokens from cache", "prefill_tokens_from_cache", "{:.0f}")):
+        lines.append(f"{label:<26}{fmt.format(off[key]):>12}{fmt.format(on[key]):>12}")
+    return "\n".join(lines)
+
+
 def workload_text(args: argparse.Namespace) -> str:
     text = (f"{args.num_prefixes} prefixes x {args.prompts_per_prefix} prompts, "
             f"{args.prefix_len}+{args.suffix_len} prompt tokens, {args.output_len} out")
@@ -187,9 +221,14 @@ def workload_text(args: argparse.Namespace) -> str:
 def resolve_model(args: argparse.Namespace) -> str:
     if not args.random_weights:
         return args.model or str(smollm2_folder())
+    import mlx.core as mx  # after paged_prefix (cpu_blas binds MLX's BLAS at its import)
+
     tokenizer = args.tokenizer or smollm2_folder()
+    # the CPU-sized model in float32: MLX's CPU backend runs experts (gather_mm) in float32 only
+    dtype = mx.float32 if args.random_weights in CPU_SIZED else mx.bfloat16
+    name = str(dtype).rsplit(".", 1)[-1].replace("bfloat", "bf").replace("float", "f")
     return str(write_folder(args.random_weights, models_root() / (
-        f"{args.random_weights}-random-bf16-{tokenizer.name}-tokenizer"), tokenizer))
+        f"{args.random_weights}-random-{name}-{tokenizer.name}-tokenizer"), tokenizer, dtype))
 
 
 def main(argv=None) -> int:
@@ -203,6 +242,9 @@ def main(argv=None) -> int:
         return compare(model, args)
     results = {setting: run_setting(setting, model, args) for setting in SETTINGS}
     texts = {s: results[s].pop("generated_texts") for s in SETTINGS}
+    if args.multi_turn:  # conversations' answers too: every turn of every one
+        for s in SETTINGS:
+            texts[s] = texts[s] + [t for c in results[s]["multi_turn"].pop("texts") for t in c]
     identical = texts["off"] == texts["on"]
     same = sum(a == b for a, b in zip(texts["off"], texts["on"]))
     workload = {k: getattr(args, k) for k in ("num_prefixes", "prompts_per_prefix", "prefix_len",
@@ -221,6 +263,8 @@ def main(argv=None) -> int:
     off, on = results["off"], results["on"]
     print(f"speedup: TTFT p50 {off['ttft_p50_ms'] / on['ttft_p50_ms']:.2f}x, "
           f"mean {off['ttft_mean_ms'] / on['ttft_mean_ms']:.2f}x")
+    if args.multi_turn:
+        print(multi_turn_table(off["multi_turn"], on["multi_turn"]))
     print(f"outputs identical (caching off vs on): {same} of {len(texts['off'])} requests")
     if args.random_weights and not identical:
         # the first token of each request is its TTFT's; later ones may flip on near ties

@@ -1,12 +1,12 @@
 """Paged attention as a drop-in for the attention modules of mlx-lm's decoder layers.
 
 `PagedAttention` takes over the original module's projections, optional per-head norms
-(Qwen3's and Gemma 3's q_norm/k_norm, the module's own), attention sinks (GPT-OSS) and RoPE
-under the same attribute names, so the parameter tree and weight loading are unchanged. What the
-module computes beyond that (heads, scale, sliding window, logit cap, sinks) comes from its
-architecture (`architectures.LayerAttention`) and becomes the layer's `Geometry`. Per forward
-it receives a `ForwardContext` in place of mlx-lm's KV cache and the forward's packed rows
-x [T, hidden], and:
+(Qwen3's and Gemma 3's q_norm/k_norm, LFM2's q_layernorm/k_layernorm), attention sinks
+(GPT-OSS) and RoPE under the same attribute names, so the parameter tree and weight loading are
+unchanged. What the module computes beyond that (heads, scale, sliding window, logit cap, sinks,
+Qwen3-Next's output gate) comes from its architecture (`architectures.LayerAttention`) and
+becomes the layer's `Geometry`. Per forward it receives a `ForwardContext` in place of mlx-lm's
+KV cache and the forward's packed rows x [T, hidden], and:
   0. projects q, k and v with one matmul (`linear.StackedLinear`);
   1. applies RoPE at each new token's absolute position (offset = num_computed_tokens);
   2. writes the new K/V into the paged cache by slot;
@@ -16,6 +16,7 @@ x [T, hidden], and:
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -28,6 +29,12 @@ from .kv_cache import PagedKVCache, Slots
 from .linear import StackedLinear
 from .metadata import BatchMetadata
 
+if TYPE_CHECKING:
+    from .recurrent_layers import ForwardStates
+
+# mlx-lm's names of the per-head q/k norms: Qwen3's and Gemma 3's, LFM2's
+_QK_NORMS = (("q_norm", "k_norm"), ("q_layernorm", "k_layernorm"))
+
 
 @dataclass(frozen=True, eq=False)
 class ForwardContext:
@@ -38,6 +45,7 @@ class ForwardContext:
     slots: Slots
     attentions: tuple[ForwardAttention, ...]  # per layer; layers of one geometry share one
     checked: frozenset[int]  # the layers that run their attention's entry check
+    states: ForwardStates | None = None  # a hybrid model's recurrent layers (recurrent_layers.py)
 
     def make_mask(self, *args, **kwargs) -> None:
         # mlx-lm asks the cache for a mask; causality and windows come from the metadata.
@@ -47,11 +55,15 @@ class ForwardContext:
 class PagedAttention(nn.Module):
     def __init__(self, attn: nn.Module, layer: int, spec: LayerAttention):
         super().__init__()
-        self.q_proj, self.k_proj = attn.q_proj, attn.k_proj
-        self.v_proj, self.o_proj = attn.v_proj, attn.o_proj
+        self.q_proj, self.k_proj, self.v_proj = attn.q_proj, attn.k_proj, attn.v_proj
         self._qkv = StackedLinear()  # q, k, v as one matmul
-        if "q_norm" in attn:
-            self.q_norm, self.k_norm = attn.q_norm, attn.k_norm
+        # under the module's own names: mlx-lm's o_proj, q_norm/k_norm; LFM2's out_proj and
+        # q_layernorm/k_layernorm
+        self._out = "o_proj" if "o_proj" in attn else "out_proj"
+        self[self._out] = attn[self._out]
+        self._norms = next((n for n in _QK_NORMS if n[0] in attn), ())
+        for name in self._norms:
+            self[name] = attn[name]
         if spec.sinks:
             self.sinks = attn.sinks
         self.rope = attn.rope
@@ -71,11 +83,14 @@ class PagedAttention(nn.Module):
         num_tokens, _ = x.shape  # x: [T, hidden], all sequences packed
         # [T, heads, 1, D]: each token its own RoPE batch row, so it carries its own offset
         q, k, v = self._qkv(x, self.q_proj, self.k_proj, self.v_proj)
+        gate = None
+        if self.spec.output_gate:  # each head's queries, then its gate (Qwen3-Next)
+            q, gate = mx.split(q.reshape(num_tokens, self.n_heads, -1), 2, axis=-1)
         q = q.reshape(num_tokens, self.n_heads, 1, -1)
         k = k.reshape(num_tokens, self.n_kv_heads, 1, -1)
         v = v.reshape(num_tokens, self.n_kv_heads, -1)
-        if "q_norm" in self:
-            q, k = self.q_norm(q), self.k_norm(k)
+        if self._norms:
+            q, k = self[self._norms[0]](q), self[self._norms[1]](k)
         positions = cache.meta.positions
         q = self.rope(q, offset=positions).reshape(num_tokens, self.n_heads, -1)
         k = self.rope(k, offset=positions).reshape(num_tokens, self.n_kv_heads, -1)
@@ -94,13 +109,19 @@ class PagedAttention(nn.Module):
         out = attention(q, k, v, *caches, sinks=sinks)
         if out.dtype != x.dtype:
             out = out.astype(x.dtype)
-        return self.o_proj(out.reshape(num_tokens, -1))
+        out = out.reshape(num_tokens, -1)
+        if gate is not None:
+            out = out * mx.sigmoid(gate.reshape(num_tokens, -1))
+        return self[self._out](out)
 
 
-def patch_attention(model: nn.Module, specs: list[LayerAttention]) -> int:
-    """Replace every layer's `self_attn` with PagedAttention; returns the layer count."""
-    layers = model.layers
-    for i, (layer, spec) in enumerate(zip(layers, specs, strict=True)):
+def patch_attention(model: nn.Module, specs: list[LayerAttention | None]) -> int:
+    """Replace every attention layer's `self_attn` with PagedAttention (a hybrid model's
+    recurrent layers have spec None), numbered in layer order as the KV cache holds them;
+    returns how many."""
+    attention_layers = [(layer, spec) for layer, spec in zip(model.layers, specs, strict=True)
+                        if spec is not None]
+    for i, (layer, spec) in enumerate(attention_layers):
         if not isinstance(layer.self_attn, PagedAttention):
             layer.self_attn = PagedAttention(layer.self_attn, i, spec)
-    return len(layers)
+    return len(attention_layers)

@@ -53,6 +53,8 @@ from .route import Route, Source, route
 ENV_VAR = "PAGED_PREFIX_ATTENTION"
 STRICT_ENV_VAR = "PAGED_PREFIX_STRICT_KERNELS"
 PATHS = ("auto", "reference", "sdpa", "cuda", "metal")
+# Metadata objects whose plans are kept: every KV-cache group of a forward has its own.
+MAX_PLANNED_METADATA = 16
 
 log = logging.getLogger(__name__)
 
@@ -102,8 +104,9 @@ class Dispatcher:
         self.counts: Counter[str] = Counter()
         self.last: Route | None = None
         self._logged: set[tuple] = set()
-        # the last metadata's plans, per (geometry, route): a forward plans one per layer kind
-        self._planned: tuple | None = None  # (metadata, {(geometry, route): attention})
+        # the plans of the last forward's metadata (one per KV-cache group), per (geometry,
+        # route): a forward plans one per kind of layer, and a step run again reuses them
+        self._planned: dict[int, tuple] = {}  # id(metadata) -> (metadata, {key: attention})
 
     def plan(self, meta: AttentionMetadata, g: Geometry) -> ForwardAttention:
         """Route, validate (canary on first use) and plan one forward; nothing is written."""
@@ -122,9 +125,11 @@ class Dispatcher:
             log.info("paged attention: %s (%s) for %s %s", chosen.path, chosen.reason,
                      g.describe(), key[2])
         self.last = chosen
-        if self._planned is None or self._planned[0] is not meta:  # frozen: by identity
-            self._planned = meta, {}
-        plans = self._planned[1]
+        if id(meta) not in self._planned:  # frozen: by identity (held, so the id stays its own)
+            if len(self._planned) >= MAX_PLANNED_METADATA:
+                self._planned.clear()
+            self._planned[id(meta)] = meta, {}
+        plans = self._planned[id(meta)][1]
         if (g, chosen) not in plans:
             plans[g, chosen] = ForwardAttention(chosen, self._parts(chosen, meta, g), self.counts)
         return plans[g, chosen]

@@ -23,11 +23,11 @@ from vllm.sampling_params import SamplingParams
 from vllm.utils.hashing import sha256
 from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
 from vllm.v1.core.sched.scheduler import Scheduler
-from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec
 from vllm.v1.request import Request, RequestStatus
 from vllm.v1.structured_output import StructuredOutputManager
 
 from .dispatch import Dispatcher
+from .kv_groups import blocks_held, kv_cache_config, layer_specs
 from .models import build_model, hf_config, resolve_config
 from .validate import as_int, as_ints
 from .vllm_runner import TORCH_TO_MLX, VllmModelRunner
@@ -87,20 +87,19 @@ class Engine:
                 max_model_len=config.max_model_len, is_encoder_decoder=False,
                 enable_chunked_prefill=True),
         )
-        layer_names = [f"model.layers.{i}.self_attn.attn"
-                       for i in range(model_cfg["num_hidden_layers"])]
-        kv_cache_config = KVCacheConfig(
-            num_blocks=config.num_blocks, kv_cache_tensors=[],
-            kv_cache_groups=[KVCacheGroupSpec(layer_names, FullAttentionSpec(
-                block_size=config.block_size, num_kv_heads=model_cfg["num_key_value_heads"],
-                head_size=model_cfg["head_dim"], dtype=torch_dtype))])
+        self.runner = VllmModelRunner(model, Dispatcher(config.attention), vllm_config)
+        # the layers' specs grouped and sized as vLLM's engine core does (the worker's path)
+        specs = layer_specs(self.runner.layer_windows(), config.block_size,
+                            model_cfg["num_key_value_heads"], model_cfg["head_dim"], torch_dtype)
+        kv_config = kv_cache_config(vllm_config, specs, config.num_blocks)
         vllm_config.cache_config.num_gpu_blocks = config.num_blocks
         self.scheduler = Scheduler(
-            vllm_config=vllm_config, kv_cache_config=kv_cache_config,
+            vllm_config=vllm_config, kv_cache_config=kv_config,
             structured_output_manager=StructuredOutputManager(vllm_config),
             block_size=config.block_size, log_stats=True)
-        self.runner = VllmModelRunner(model, Dispatcher(config.attention), vllm_config)
-        self.runner.initialize_kv_cache(kv_cache_config)
+        self.runner.initialize_kv_cache(kv_config)
+        self._group_specs = [g.kv_cache_spec for g in kv_config.kv_cache_groups]
+        self._in_flight = vllm_config.max_in_flight_tokens
         init_none_hash(sha256)
         self._hasher = get_request_block_hasher(config.block_size, sha256)
         self.results: dict[str, RequestResult] = {}
@@ -121,14 +120,22 @@ class Engine:
             raise ValueError(f"max_model_len: {len(ids)} prompt + {max_tokens} output tokens "
                              f"exceed {c.max_model_len}")
         usable = c.num_blocks - 1  # vLLM keeps block 0 as its null block
-        if -(-total // c.block_size) > usable:
-            raise ValueError(f"num_blocks: {total} tokens need {-(-total // c.block_size)} blocks "
-                             f"of {c.block_size}, the pool has {usable}")
+        needed = self.blocks_held(total)
+        if needed > usable:
+            raise ValueError(f"num_blocks: {total} tokens need {needed} blocks of {c.block_size}"
+                             f" over {len(self._group_specs)} KV-cache groups, the pool has "
+                             f"{usable}")
         self.results[req_id] = RequestResult(req_id, len(ids), arrival=time.perf_counter())
         self.scheduler.add_request(Request(
             request_id=req_id, prompt_token_ids=ids.tolist(),
             sampling_params=SamplingParams(max_tokens=max_tokens, ignore_eos=True, temperature=0.0),
             pooling_params=None, block_hasher=self._hasher))
+
+    def blocks_held(self, num_tokens: int) -> int:
+        """The most blocks of the pool a request of `num_tokens` tokens holds at once, all its
+        KV-cache groups together (vLLM admits a request only where they are free)."""
+        return sum(blocks_held(spec, num_tokens, self._in_flight)
+                   for spec in self._group_specs)
 
     def abort(self, req_id: str) -> None:
         """Stop a queued or running request; its blocks go back to the pool."""

@@ -1,6 +1,8 @@
 """The paged KV cache: per layer K and V blocks, written in place by slot.
 
-Layout per layer (vllm-metal's): `[num_blocks, block_size, num_kv_heads, head_dim]`. The
+Layout per layer (vllm-metal's): `[num_blocks, block_size, num_kv_heads, head_dim]`. Layers of
+different KV-cache groups may share one array pair (`kv_layout.py`: their block ids never meet,
+and vLLM budgets the memory so); a forward then waits before the layers of `wait_before`. The
 arrays are stored flat as `[num_blocks * block_size, num_kv_heads, head_dim]` because MLX
 updates a scatter target in place only when the target is the sole owner of its buffer: a flat
 array that this object alone holds is donated to the scatter, while scattering through a
@@ -31,6 +33,7 @@ import numpy as np
 
 from jit_kernels.arrays import device_array
 
+from .kv_layout import KVLayout
 from .validate import as_int, as_ints, index_dtype
 
 SUPPORTED_DTYPES = (mx.float16, mx.bfloat16, mx.float32)
@@ -49,7 +52,8 @@ class Slots:
 
 
 class PagedKVCache:
-    """K/V blocks for every layer of one model."""
+    """K/V blocks for every layer of one model; `layout` (default: one full-attention group,
+    an array pair per layer) says which layers share a block table and which an array pair."""
 
     def __init__(
         self,
@@ -59,6 +63,7 @@ class PagedKVCache:
         num_kv_heads: int,
         head_dim: int,
         dtype: mx.Dtype = mx.float16,
+        layout: KVLayout | None = None,
     ):
         for name, value in (("num_layers", num_layers), ("num_blocks", num_blocks),
                             ("block_size", block_size), ("num_kv_heads", num_kv_heads),
@@ -66,6 +71,10 @@ class PagedKVCache:
             as_int(value, name, low=1)
         if dtype not in SUPPORTED_DTYPES:
             raise ValueError(f"dtype must be one of {SUPPORTED_DTYPES}, got {dtype}")
+        layout = layout or KVLayout.single(num_layers)
+        if not isinstance(layout, KVLayout) or layout.num_layers != num_layers:
+            raise ValueError(f"layout: expected a KVLayout of {num_layers} layers, got {layout!r}")
+        self.layout = layout
         self.num_layers = num_layers
         self.num_blocks = num_blocks
         self.block_size = block_size
@@ -77,9 +86,14 @@ class PagedKVCache:
         wide = head_dim * dtype.size % 4 == 0
         self._storage = mx.uint32 if wide else dtype
         row = (num_kv_heads, head_dim * dtype.size // 4 if wide else head_dim)
-        self._k = [mx.zeros((rows, *row), self._storage) for _ in range(num_layers)]
-        self._v = [mx.zeros((rows, *row), self._storage) for _ in range(num_layers)]
+        self._k = [mx.zeros((rows, *row), self._storage) for _ in range(layout.num_arrays)]
+        self._v = [mx.zeros((rows, *row), self._storage) for _ in range(layout.num_arrays)]
         mx.eval(self._k, self._v)
+
+    @property
+    def windows(self) -> tuple[int | None, ...]:
+        """Each KV-cache group's sliding window (None: full attention), in group order."""
+        return self.layout.windows
 
     @property
     def nbytes(self) -> int:
@@ -126,13 +140,14 @@ class PagedKVCache:
         if keys.shape != want or values.shape != want:
             raise ValueError(f"keys, values: expected {want}, got {keys.shape} and {values.shape}")
         keys, values = self._stored(keys), self._stored(values)
+        a = self.layout.array_of[layer]
         if not slots.runs:
-            self._k[layer][slots.device] = keys
-            self._v[layer][slots.device] = values
+            self._k[a][slots.device] = keys
+            self._v[a][slots.device] = values
         for slot, row, n in slots.runs:
             whole = n == slots.count  # no slice op on the rows
-            self._k[layer][slot:slot + n] = keys if whole else keys[row:row + n]
-            self._v[layer][slot:slot + n] = values if whole else values[row:row + n]
+            self._k[a][slot:slot + n] = keys if whole else keys[row:row + n]
+            self._v[a][slot:slot + n] = values if whole else values[row:row + n]
 
     def _stored(self, rows: mx.array) -> mx.array:
         if rows.dtype != self.dtype:
@@ -140,16 +155,17 @@ class PagedKVCache:
         return rows if self._storage == self.dtype else rows.view(self._storage)
 
     def arrays(self, layers: range | None = None) -> list[mx.array]:
-        """The current K and V arrays of `layers` (default: every layer), e.g. to evaluate
-        pending writes. Evaluating an array keeps it referenced until the device has run
-        everything sent with it, and a write into a referenced array copies it: evaluate only
-        the layers whose writes are pending."""
+        """The current K and V arrays of `layers` (default: every layer), each once, e.g. to
+        evaluate pending writes. Evaluating an array keeps it referenced until the device has
+        run everything sent with it, and a write into a referenced array copies it: evaluate
+        only the layers whose writes are pending."""
         if layers is None:
             return self._k + self._v
-        return [self._k[i] for i in layers] + [self._v[i] for i in layers]
+        held = list(dict.fromkeys(self.layout.array_of[i] for i in layers))
+        return [self._k[a] for a in held] + [self._v[a] for a in held]
 
     def snapshot(self) -> list[mx.array]:
-        """Views of every layer's arrays as they are now, for `restore` after a failed forward.
+        """Views of every array as it is now, for `restore` after a failed forward.
 
         Writes are lazy and in place only when evaluated: restoring these drops the pending
         writes of a forward that raised before evaluation. Drop the snapshot before evaluating
@@ -158,17 +174,19 @@ class PagedKVCache:
         return [a.reshape(a.shape) for a in self._k + self._v]
 
     def restore(self, snapshot: list[mx.array]) -> None:
-        if len(snapshot) != 2 * self.num_layers:
-            raise ValueError(f"snapshot: expected {2 * self.num_layers} arrays, got {len(snapshot)}")
-        self._k, self._v = list(snapshot[:self.num_layers]), list(snapshot[self.num_layers:])
+        n = self.layout.num_arrays
+        if len(snapshot) != 2 * n:
+            raise ValueError(f"snapshot: expected {2 * n} arrays, got {len(snapshot)}")
+        self._k, self._v = list(snapshot[:n]), list(snapshot[n:])
 
     def stored(self, layer: int) -> tuple[mx.array, mx.array]:
         """The layer's K and V arrays as stored: [num_blocks * block_size, num_kv_heads, W]
         of 4-byte words (W = head_dim * dtype size / 4) or, for odd head dims, of the dtype."""
-        return self._k[layer], self._v[layer]
+        a = self.layout.array_of[layer]
+        return self._k[a], self._v[a]
 
     def blocks(self, layer: int) -> tuple[mx.array, mx.array]:
         """The layer's K and V as `[num_blocks, block_size, num_kv_heads, head_dim]` views."""
         shape = (self.num_blocks, self.block_size, self.num_kv_heads, self.head_dim)
-        return (self._k[layer].view(self.dtype).reshape(shape),
-                self._v[layer].view(self.dtype).reshape(shape))
+        k, v = self.stored(layer)
+        return k.view(self.dtype).reshape(shape), v.view(self.dtype).reshape(shape)

@@ -114,6 +114,39 @@ BUILTIN_CONFIGS: dict[str, dict] = {
                         num_key_value_heads=8, vocab_size=201088, sliding_window=128,
                         rope_scaling=_gpt_oss_yarn(4096), max_position_embeddings=131072,
                         **_GPT_OSS),
+    # Hybrid models (recurrent state in vLLM's blocks: docs/hybrid.md), test-sized.
+    # Layers 0-2 gated delta net, layer 3 gated attention (every 4th); MoE in every layer
+    # but layer 1, whose plain MLP keeps both feed-forward kinds in the model. 4 value heads
+    # over 2 key heads, as the real model groups them.
+    "qwen3-next-test": dict(
+        model_type="qwen3_next", hidden_size=128, num_hidden_layers=4, intermediate_size=256,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=64, partial_rotary_factor=0.25,
+        linear_num_value_heads=4, linear_num_key_heads=2, linear_key_head_dim=32,
+        linear_value_head_dim=32, linear_conv_kernel_dim=4, full_attention_interval=4,
+        num_experts=4, num_experts_per_tok=2, decoder_sparse_step=1, mlp_only_layers=[1],
+        moe_intermediate_size=64, shared_expert_intermediate_size=128, norm_topk_prob=True,
+        rms_norm_eps=1e-6, rope_theta=10000.0, max_position_embeddings=4096, vocab_size=512,
+        tie_word_embeddings=False),
+    # CPU-sized for serving benchmarks (~90M parameters with a 49k vocabulary): 6 gated delta
+    # net layers, 2 gated attention, 8 experts
+    "qwen3-next-small": dict(
+        model_type="qwen3_next", hidden_size=512, num_hidden_layers=8, intermediate_size=1024,
+        num_attention_heads=8, num_key_value_heads=2, head_dim=64, partial_rotary_factor=0.25,
+        linear_num_value_heads=8, linear_num_key_heads=4, linear_key_head_dim=64,
+        linear_value_head_dim=64, linear_conv_kernel_dim=4, full_attention_interval=4,
+        num_experts=8, num_experts_per_tok=2, decoder_sparse_step=1, mlp_only_layers=[],
+        moe_intermediate_size=256, shared_expert_intermediate_size=512, norm_topk_prob=True,
+        rms_norm_eps=1e-6, rope_theta=10000.0, max_position_embeddings=4096, vocab_size=512,
+        tie_word_embeddings=False),
+    # Short conv at layers 0, 1 and 3, attention at 2 (LFM2's conv-conv-attention rhythm);
+    # embeddings tied as in every LFM2. conv_dim is what vLLM sizes the conv state by.
+    "lfm2-test": dict(
+        model_type="lfm2", hidden_size=256, num_hidden_layers=4, num_attention_heads=4,
+        num_key_value_heads=2, conv_L_cache=3, conv_bias=False, conv_dim=256,
+        layer_types=["conv", "conv", "full_attention", "conv"], block_dim=256,
+        block_ff_dim=512, block_multiple_of=64, block_ffn_dim_multiplier=1.0,
+        block_auto_adjust_ff_dim=True, norm_eps=1e-5, rope_theta=1000000.0,
+        max_position_embeddings=4096, vocab_size=512),
 }
 
 
@@ -159,13 +192,13 @@ def hf_config(config: dict, folder: Path, dtype: str = "float32") -> Path:
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")
 
 
-def write_folder(name: str, folder: Path, tokenizer: Path | None,
+def write_folder(name: str | dict, folder: Path, tokenizer: Path | None,
                  dtype: mx.Dtype = mx.bfloat16, seed: int = 0) -> Path:
-    """An mlx-lm folder of built-in config `name` with seeded random weights and the tokenizer
-    files of folder `tokenizer`, whose vocabulary sets vocab_size; with `tokenizer` None, no
-    tokenizer and the config's own vocabulary (for token-id prompts: vLLM's
-    skip_tokenizer_init). Written atomically and reused when it exists, so a crash never leaves
-    half a model."""
+    """An mlx-lm folder of built-in config `name` (or a config, as `resolve_config` takes it)
+    with seeded random weights and the tokenizer files of folder `tokenizer`, whose vocabulary
+    sets vocab_size; with `tokenizer` None, no tokenizer and the config's own vocabulary (for
+    token-id prompts: vLLM's skip_tokenizer_init). Written atomically and reused when it
+    exists, so a crash never leaves half a model."""
     if (folder / "config.json").exists():
         return folder
     overrides = {}

@@ -16,17 +16,22 @@ import copy
 import mlx.nn as nn
 from mlx.utils import tree_map
 
-from .architectures import LayerAttention
+from .architectures.base import LayerAttention, RecurrentLayer
 from .attention import patch_attention
 from .linear import pack_linears
 from .mlp import patch_mlp
+from .recurrent_layers import patch_recurrent
 
 
-def paged_model(model: nn.Module, specs: list[LayerAttention]) -> nn.Module:
+def paged_model(model: nn.Module, specs: list[LayerAttention | None],
+                recurrent: list[RecurrentLayer | None] | None = None) -> nn.Module:
     """The caller's model, copied and converted for `PagedModelRunner.forward`; `specs`: each
-    layer's attention (`architectures.check_model`)."""
+    layer's attention (`architectures.check_model`), `recurrent`: a hybrid model's recurrent
+    layers (`Architecture.recurrent`)."""
     own = copy_modules(model)
     patch_attention(own, specs)
+    if recurrent is not None:
+        patch_recurrent(own, recurrent)
     patch_mlp(own)
     for layer in own.layers:  # the runner feeds packed [T, hidden] rows
         pack_linears(layer)

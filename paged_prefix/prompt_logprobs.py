@@ -113,7 +113,7 @@ def plan(states: Mapping[str, PromptLogprobs], meta: BatchMetadata,
          prompts: Mapping[str, Sequence[int]]) -> PromptLogprobsStep:
     """The rows this forward scores for the requests in `states` (their prompts in
     `prompts`); raises ValueError before the forward for a request that starts past them."""
-    attn = meta.attn
+    attn = meta.groups[0].attn  # its lengths: every KV-cache group has the same
     chunks, rows, offset = [], [], 0
     for s, req_id in enumerate(meta.req_ids):
         if req_id not in states:

@@ -7,7 +7,13 @@ will leave them, the scheduled requests in the scheduler's order and the forward
 it changes none of its inputs. It is where the scheduler's input is checked, once: unknown
 ids, empty or out-of-vocabulary prompts, non-integer ids, sampling options naming ids outside
 the vocabulary, a running request's computed count other than what this runner computed, a
-write into a block another live request holds. Each is a ValueError naming the field.
+write into a block another live request holds, a block list per KV-cache group, vLLM's null
+block (id 0) never written nor read. Each is a ValueError naming the field.
+
+vLLM does not tell the runner when it frees a running request's blocks outside a sliding
+window (it puts its null block in its own copy of the list): the runner's lists keep the old
+ids, and a request holds, in a windowed group, only the blocks from its next query's first
+visible key on (`reference.key_start` of the tokens it has computed).
 """
 
 from __future__ import annotations
@@ -21,6 +27,9 @@ import torch
 from vllm.sampling_params import SamplingParams
 from vllm.v1.core.sched.output import CachedRequestData, NewRequestData, SchedulerOutput
 
+from reference import key_start
+
+from .hybrid_groups import HybridLimits, rows_of, step_states
 from .metadata import BatchMetadata, ScheduledRequest, build_batch_metadata
 from .validate import as_ints
 from .vllm_sampling import make_generator, token_id_options, unsupported_reason
@@ -30,10 +39,13 @@ from .vllm_sampling import make_generator, token_id_options, unsupported_reason
 class RequestState:
     prompt_token_ids: tuple[int, ...]
     output_token_ids: tuple[int, ...]  # one more per sampled token, once its step succeeded
-    block_ids: tuple[int, ...]
+    block_ids: tuple[tuple[int, ...], ...]  # per KV-cache group
     params: SamplingParams
     generator: torch.Generator | None  # seeded requests only; survives preemption
     num_computed: int  # tokens whose K/V are in the cache (this runner's, or the scheduler's hit)
+    # a hybrid model's state rows, per state group in vLLM's block ids (block_ids then holds
+    # its attention row in kernel block ids: `hybrid_groups.rows_of`)
+    state_rows: tuple[tuple[int, ...], ...] = ()
 
     @property
     def token_ids(self) -> list[int]:
@@ -48,6 +60,11 @@ class Limits:
     block_size: int
     num_blocks: int
     max_sampling_rows: int  # the sampler's rows: max_num_seqs
+    windows: tuple[int | None, ...] = (None,)  # per KV-cache group (`PagedKVCache.windows`)
+    hybrid: HybridLimits | None = None  # a hybrid model's groups (`hybrid_groups.py`)
+
+
+NULL_BLOCK = 0  # vLLM's block pool hands out block 0 to no request: its placeholder
 
 
 @dataclass(frozen=True)
@@ -59,13 +76,20 @@ class StepPlan:
     meta: BatchMetadata | None  # None: no token is scheduled
 
 
-def block_ids(groups, req_id: str, limits: Limits) -> tuple[int, ...]:
-    """The one KV-cache group's block ids, each a block of the pool."""
-    if not isinstance(groups, (tuple, list)) or len(groups) != 1:
-        raise ValueError(f"block_ids: request {req_id!r} must carry exactly one KV-cache "
-                         f"group's block list, got {groups!r}")
-    return tuple(as_ints(groups[0], f"block_ids ({req_id!r})", low=0,
-                         high=limits.num_blocks - 1).tolist())
+def block_ids(groups, req_id: str, limits: Limits) -> tuple[tuple[tuple[int, ...], ...], tuple]:
+    """(one block list per KV-cache group, state rows), each id a block of the pool; a hybrid
+    model's lists split into its attention group's (kernel block ids) and its state groups'
+    (`hybrid_groups.rows_of`)."""
+    if limits.hybrid is not None:
+        attention, states = rows_of(groups, req_id, limits.hybrid)
+        return (tuple(attention),), states
+    n = len(limits.windows)
+    if not isinstance(groups, (tuple, list)) or len(groups) != n:
+        raise ValueError(f"block_ids: request {req_id!r} must carry one block list per "
+                         f"KV-cache group ({n}), got {groups!r}")
+    return tuple(tuple(as_ints(ids, f"block_ids ({req_id!r}, group {g})", low=0,
+                               high=limits.num_blocks - 1).tolist())
+                 for g, ids in enumerate(groups)), ()
 
 
 def admit(new: NewRequestData, limits: Limits) -> RequestState:
@@ -94,9 +118,9 @@ def admit(new: NewRequestData, limits: Limits) -> RequestState:
     logprobs = new.sampling_params.logprobs
     if logprobs is not None and logprobs > vocab:
         raise ValueError(f"logprobs ({rid!r}): {logprobs} exceeds the vocabulary of {vocab}")
-    return RequestState(tuple(prompt.tolist()), (), block_ids(new.block_ids, rid, limits),
-                        new.sampling_params, make_generator(new.sampling_params),
-                        new.num_computed_tokens)
+    attention, states = block_ids(new.block_ids, rid, limits)
+    return RequestState(tuple(prompt.tolist()), (), attention, new.sampling_params,
+                        make_generator(new.sampling_params), new.num_computed_tokens, states)
 
 
 def update(state: RequestState, req_id: str, cached: CachedRequestData, i: int,
@@ -106,7 +130,8 @@ def update(state: RequestState, req_id: str, cached: CachedRequestData, i: int,
     if req_id in cached.resumed_req_ids:
         # A preempted request comes back with a fresh block list (maybe a new hit) and,
         # from the scheduler, every token it knows.
-        state = dataclasses.replace(state, block_ids=block_ids(new_blocks, req_id, limits))
+        attention, states = block_ids(new_blocks, req_id, limits)
+        state = dataclasses.replace(state, block_ids=attention, state_rows=states)
         if req_id in cached.all_token_ids:
             known = as_ints(cached.all_token_ids[req_id], f"all_token_ids ({req_id!r})",
                             low=0, high=limits.vocab_size - 1).tolist()
@@ -116,15 +141,24 @@ def update(state: RequestState, req_id: str, cached: CachedRequestData, i: int,
             state = dataclasses.replace(state, output_token_ids=tuple(known[prompt_len:]))
         return state
     if new_blocks is not None:  # None: no new block this step
-        added = block_ids(new_blocks, req_id, limits)
-        state = dataclasses.replace(state, block_ids=state.block_ids + added)
+        added, states = block_ids(new_blocks, req_id, limits)
+        state = dataclasses.replace(state, block_ids=tuple(
+            held + more for held, more in zip(state.block_ids, added)), state_rows=tuple(
+            row + more for row, more in zip(state.state_rows, states, strict=True)))
     return state
 
 
-def plan_step(live: Mapping[str, RequestState], so: SchedulerOutput, limits: Limits) -> StepPlan:
-    """The step `so` over the `live` request states, checked; `live` is left as it was."""
-    for field_name in ("scheduled_spec_decode_tokens", "scheduled_encoder_inputs",
-                       "kv_cache_block_copies", "new_block_ids_to_zero"):
+def plan_step(live: Mapping[str, RequestState], so: SchedulerOutput, limits: Limits,
+              ledger: Mapping | None = None) -> StepPlan:
+    """The step `so` over the `live` request states, checked; `live` is left as it was.
+    ledger: a hybrid model's count of what each state block holds (`state_metadata.py`)."""
+    refused = ["scheduled_spec_decode_tokens", "scheduled_encoder_inputs",
+               "kv_cache_block_copies"]
+    # vLLM zeroes new attention blocks of a hybrid model because its pages alias the state
+    # blocks'; here states live apart (docs/hybrid.md), so K/V arrays only ever hold K/V
+    if limits.hybrid is None:
+        refused.append("new_block_ids_to_zero")
+    for field_name in refused:
         if getattr(so, field_name, None):
             raise ValueError(f"{field_name}: not supported by this runner (speculative "
                              "decoding, multimodal inputs and KV block copies are refused "
@@ -132,7 +166,9 @@ def plan_step(live: Mapping[str, RequestState], so: SchedulerOutput, limits: Lim
     requests = {r: s for r, s in live.items() if r not in so.finished_req_ids}
     for req_id in so.preempted_req_ids or ():  # vLLM freed their blocks
         if req_id in requests:
-            requests[req_id] = dataclasses.replace(requests[req_id], block_ids=())
+            requests[req_id] = dataclasses.replace(requests[req_id],
+                                                   block_ids=((),) * len(limits.windows),
+                                                   state_rows=())
     computed: dict[str, int] = {}  # the scheduler's count, per request of this step
     for new in so.scheduled_new_reqs:
         if new.req_id in requests:
@@ -176,12 +212,17 @@ def plan_step(live: Mapping[str, RequestState], so: SchedulerOutput, limits: Lim
     if not req_ids:
         return StepPlan(requests, req_ids, None)
     meta = _metadata(requests, req_ids, computed, so, limits)
-    _check_block_owners(requests, meta)
+    if limits.hybrid is not None:
+        meta = dataclasses.replace(meta, states=step_states(
+            requests, req_ids, computed, so.num_scheduled_tokens, limits.hybrid, ledger or {}))
+    _check_null_block(meta)
+    _check_block_owners(requests, meta, limits)
     if len(meta.sample_req_ids) > limits.max_sampling_rows:
         raise ValueError(f"num_scheduled_tokens: {len(meta.sample_req_ids)} requests sample "
                          f"in this step, more than max_num_seqs={limits.max_sampling_rows}")
+    seq_lens = meta.groups[0].attn.seq_lens_host
     for s, r in enumerate(req_ids):  # after this forward, its K/V reach seq_lens[s]
-        requests[r] = dataclasses.replace(requests[r], num_computed=int(meta.attn.seq_lens_host[s]))
+        requests[r] = dataclasses.replace(requests[r], num_computed=int(seq_lens[s]))
     return StepPlan(requests, req_ids, meta)
 
 
@@ -206,23 +247,40 @@ def _metadata(requests: Mapping[str, RequestState], req_ids: list[str],
         for r in req_ids
     ]
     meta = build_batch_metadata(scheduled, limits.block_size, limits.num_blocks,
-                                vocab_size=limits.vocab_size)
+                                vocab_size=limits.vocab_size, windows=limits.windows)
     if so.total_num_scheduled_tokens != meta.num_tokens:
         raise ValueError(f"total_num_scheduled_tokens: {so.total_num_scheduled_tokens!r}, "
                          f"but num_scheduled_tokens sums to {meta.num_tokens}")
     return meta
 
 
-def _check_block_owners(requests: Mapping[str, RequestState], meta: BatchMetadata) -> None:
+def _check_null_block(meta: BatchMetadata) -> None:
+    """vLLM's null block stands for blocks a windowed group freed: a forward never writes it,
+    nor reads it where a query sees its keys."""
+    for g, group in enumerate(meta.groups):
+        live = group.attn.live_blocks()
+        at = np.flatnonzero(live[:, 1] == NULL_BLOCK)
+        if at.size:
+            where = "inside its window" if group.attn.window else "in its table"
+            raise ValueError(f"block_ids: {meta.req_ids[live[at[0], 0]]!r} reads or writes "
+                             f"vLLM's null block {NULL_BLOCK} {where} (KV-cache group {g})")
+
+
+def _check_block_owners(requests: Mapping[str, RequestState], meta: BatchMetadata,
+                        limits: Limits) -> None:
     """A block this forward writes belongs to its writer: no live request outside the forward
     may hold it (vLLM hands out only free blocks to write; within the forward, the metadata
-    checked every shared read)."""
-    written = np.unique(meta.slot_mapping_host // meta.attn.block_size)
+    checked every shared read). In a windowed group a request holds its blocks from its next
+    query's first visible key on: vLLM frees those before it."""
+    written = np.unique(np.concatenate([g.slot_mapping_host // g.attn.block_size
+                                        for g in meta.groups]))
     in_forward = set(meta.req_ids)
     for req_id, state in requests.items():
-        if req_id in in_forward or not state.block_ids:
+        if req_id in in_forward:
             continue
-        held = np.intersect1d(written, state.block_ids)
-        if held.size:
-            raise ValueError(f"block_ids: this step writes block {int(held[0])}, which "
-                             f"running request {req_id!r} holds")
+        for ids, window in zip(state.block_ids, limits.windows):
+            first = int(key_start(state.num_computed, window)) // limits.block_size
+            held = np.intersect1d(written, ids[first:])
+            if held.size:
+                raise ValueError(f"block_ids: this step writes block {int(held[0])}, which "
+                                 f"running request {req_id!r} holds")

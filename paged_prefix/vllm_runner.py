@@ -1,6 +1,7 @@
 """The vLLM boundary: vLLM's model-runner contract on top of `PagedModelRunner`.
 
-    initialize_kv_cache(KVCacheConfig)           allocate the paged cache vLLM sized
+    layer_windows() -> per layer W or None       each layer's sliding window (its vLLM spec)
+    initialize_kv_cache(KVCacheConfig)           allocate the paged cache vLLM sized and grouped
     run_forward(SchedulerOutput) -> None         the forward; output follows in sample_tokens
                                    | ModelRunnerOutput   (nothing scheduled: no sampling step)
     sample_tokens(grammar_output) -> ModelRunnerOutput
@@ -35,15 +36,21 @@ import numpy as np
 import torch
 from vllm.config import VllmConfig
 from vllm.v1.core.sched.output import GrammarOutput, SchedulerOutput
-from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig
+from vllm.v1.kv_cache_interface import KVCacheConfig
 from vllm.v1.outputs import EMPTY_MODEL_RUNNER_OUTPUT, LogprobsTensors, ModelRunnerOutput
 
 from . import prompt_logprobs, warmup
+from .architectures import architecture
 from .dispatch import Dispatcher
+from .hybrid_groups import CacheGroups, HybridLimits, kernel_block_size
 from .kv_cache import PagedKVCache
+from .kv_groups import cache_layout
+from .kv_layout import KVLayout
 from .metadata import BatchMetadata
 from .requests import Limits, RequestState, StepPlan, plan_step, with_sampled
-from .runner import PagedModelRunner
+from .runner import PagedModelRunner, attention_of
+from .state_cache import RecurrentStateCache
+from .state_metadata import StateLedger, commit
 from .vllm_sampling import BatchSampler, SamplingRow, grammar_rows, in_output_order
 
 logger = logging.getLogger(__name__)
@@ -61,35 +68,71 @@ class VllmModelRunner:
         self.runner: PagedModelRunner | None = None
         self.requests: dict[str, RequestState] = {}
         self._limits: Limits | None = None
+        self.state_ledger: StateLedger = {}  # a hybrid model's state blocks, by its own count
         self.prompt_logprobs: dict[str, prompt_logprobs.PromptLogprobs] = {}
         # a forward's plan, its sampling rows' logits and the prompt logprobs it completed
         self._pending: tuple[StepPlan, mx.array, dict[str, LogprobsTensors]] | None = None
         self._last_step_end: float | None = None  # for the debug log's time between steps
 
+    def layer_windows(self) -> tuple[int | None, ...]:
+        """Each layer's sliding window as the runner attends with it (None: full attention),
+        from its architecture (`runner.attention_of`)."""
+        return tuple(layer.window for layer in attention_of(self.model)[1] if layer is not None)
+
     def initialize_kv_cache(self, kv_cache_config: KVCacheConfig) -> None:
-        groups = kv_cache_config.kv_cache_groups
-        if len(groups) != 1 or not isinstance(groups[0].kv_cache_spec, FullAttentionSpec):
-            raise ValueError("kv_cache_config: exactly one full-attention KV-cache group is supported")
-        spec = groups[0].kv_cache_spec
+        """The cache vLLM's config describes (`kv_groups.cache_layout` checks it): its groups,
+        their windows, and no more memory than its tensors hold; a hybrid model's
+        (`_initialize_hybrid`) its attention group and its state groups."""
+        recurrent = architecture(self.model.args.model_type).recurrent(self.model)
+        if any(recurrent):
+            self._initialize_hybrid(kv_cache_config, recurrent)
+            return
+        layout, spec = cache_layout(kv_cache_config, self.layer_windows())
+        cache = self._kv_cache(spec, layout.num_layers, kv_cache_config.num_blocks,
+                               spec.block_size, layout)
+        self._start(cache, None, Limits(self.vocab_size, cache.block_size, cache.num_blocks,
+                                        self.sampler.max_rows, cache.windows))
+        if len(layout.groups) > 1:
+            logger.info("paged_prefix: %d KV-cache groups (windows %s) over %d array pairs for "
+                        "%d layers", len(layout.groups), list(cache.windows), layout.num_arrays,
+                        layout.num_layers)
+
+    def _initialize_hybrid(self, config: KVCacheConfig, recurrent: list) -> None:
+        """A hybrid model (docs/hybrid.md): the attention layers' K/V in kernel blocks, r to a
+        vLLM block of the same contiguous arrays; the recurrent layers' states in a store of
+        their own, indexed by vLLM's block ids."""
+        groups = CacheGroups.of(config, recurrent, TORCH_TO_MLX)
+        spec = groups.attention_spec
+        block = kernel_block_size(spec.block_size)
+        ratio = spec.block_size // block
+        cache = self._kv_cache(spec, recurrent.count(None), config.num_blocks * ratio, block)
+        states = RecurrentStateCache(groups.state_specs, config.num_blocks)
+        conv = {s.shapes[0][0] + 1 for s in groups.state_specs}
+        hybrid = HybridLimits(groups, config.num_blocks, ratio, conv.pop())
+        self._start(cache, states, Limits(self.vocab_size, block, cache.num_blocks,
+                                          self.sampler.max_rows, hybrid=hybrid))
+        logger.info("paged_prefix: hybrid model, %d attention layers in %d kernel blocks of %d "
+                    "(%d to a vLLM block of %d), %d recurrent layers' states in %d state groups "
+                    "of blocks of %d tokens (%.0f MiB of states, stored %s)", cache.num_layers,
+                    cache.num_blocks, block, ratio, spec.block_size, states.num_layers,
+                    len(groups.states), groups.state_block_size, states.nbytes / 2**20,
+                    sorted({str(d) for s in groups.state_specs for d in s.dtypes}))
+
+    def _kv_cache(self, spec, num_layers: int, num_blocks: int, block_size: int,
+                  layout: KVLayout | None = None) -> PagedKVCache:
         if spec.dtype not in TORCH_TO_MLX:
             raise ValueError(f"kv_cache_config: dtype {spec.dtype} is not one of {list(TORCH_TO_MLX)}")
-        if len(groups[0].layer_names) != len(self.model.layers):
-            raise ValueError(f"kv_cache_config: {len(groups[0].layer_names)} layers for a "
-                             f"{len(self.model.layers)}-layer model")
-        cache = PagedKVCache(
-            num_layers=len(self.model.layers),
-            num_blocks=kv_cache_config.num_blocks,
-            block_size=spec.block_size,
-            num_kv_heads=spec.num_kv_heads,
-            head_dim=spec.head_size,
-            dtype=TORCH_TO_MLX[spec.dtype],
-        )
-        self.runner = PagedModelRunner(self.model, cache, self.dispatcher)
+        return PagedKVCache(num_layers=num_layers, num_blocks=num_blocks, block_size=block_size,
+                            num_kv_heads=spec.num_kv_heads, head_dim=spec.head_size,
+                            dtype=TORCH_TO_MLX[spec.dtype], layout=layout)
+
+    def _start(self, cache: PagedKVCache, states: RecurrentStateCache | None,
+               limits: Limits) -> None:
+        self.runner = PagedModelRunner(self.model, cache, self.dispatcher, state_cache=states)
         # the runner's tree from here on: the caller's would keep the q/k/v and gate/up arrays
         # alive beside the runner's stacks of them
         self.model = self.runner.model
-        self._limits = Limits(self.vocab_size, cache.block_size, cache.num_blocks,
-                              self.sampler.max_rows)
+        self._limits = limits
 
     def warm_up_limit(self) -> int:
         """The longest prefill `warm_up` can run in this cache."""
@@ -117,7 +160,7 @@ class VllmModelRunner:
         runner = self._core("execute_model")
         if self._pending is not None:
             raise ValueError("sample_tokens: the previous forward's tokens were never sampled")
-        plan = plan_step(self.requests, scheduler_output, self._limits)
+        plan = plan_step(self.requests, scheduler_output, self._limits, self.state_ledger)
         scoring = prompt_logprobs.live(self.prompt_logprobs, plan.requests,
                                        scheduler_output.scheduled_new_reqs, self.vocab_size)
         if plan.meta is None:
@@ -128,7 +171,9 @@ class VllmModelRunner:
         start = time.perf_counter()
         logits = runner.forward(plan.meta, step.rows)
         built = time.perf_counter()
-        mx.eval(logits, runner.kv_cache.arrays())  # the forward's one host sync
+        mx.eval(logits, runner.cache_arrays())  # the forward's one host sync
+        if plan.meta.states is not None:
+            commit(self.state_ledger, plan.meta.states)
         if logger.isEnabledFor(logging.DEBUG):
             self._log_forward(plan.meta, start, built)
         sampling = len(plan.meta.sample_req_ids)
@@ -185,7 +230,7 @@ class VllmModelRunner:
     def _log_forward(self, meta: BatchMetadata, start: float, built: float) -> None:
         """Where a step's time goes, for TTFT questions: its shape, the attention path (and
         for SDPA where its K/V came from), the forward's time and the idle time before it."""
-        q = meta.attn.q_lens_host
+        q = meta.groups[0].attn.q_lens_host
         d = self.runner.dispatcher
         sources = d.last.summary()
         attention = f"{d.last.path} attention" + (f" (sequences: {sources})" if sources else "")
@@ -194,7 +239,7 @@ class VllmModelRunner:
         logger.debug("step: %d sequences (%d of one token), %d tokens after %d already in the "
                      "cache, %s; forward %.1f ms (%.1f ms of it building the graph)%s",
                      len(q), int((q == 1).sum()), int(q.sum()),
-                     int(meta.attn.context_lens_host.sum()), attention,
+                     int(meta.groups[0].attn.context_lens_host.sum()), attention,
                      1e3 * (time.perf_counter() - start), 1e3 * (built - start), idle)
 
 

@@ -25,7 +25,7 @@ from vllm.v1.outputs import ModelRunnerOutput
 from vllm.v1.request import Request
 from vllm.v1.structured_output import StructuredOutputManager
 
-from paged_prefix.recurrent import HYBRID_CONFIGS
+from paged_prefix.models import BUILTIN_CONFIGS
 
 BS, NULL = 32, 0
 PROMPT = list(range(3, 153))  # 150 tokens
@@ -33,7 +33,7 @@ PROMPT = list(range(3, 153))  # 150 tokens
 
 class Harness:
     def __init__(self, tmp_path, num_blocks=64):
-        config = {**HYBRID_CONFIGS["lfm2-test"], "architectures": ["Lfm2ForCausalLM"],
+        config = {**BUILTIN_CONFIGS["lfm2-test"], "architectures": ["Lfm2ForCausalLM"],
                   "torch_dtype": "float32"}
         (tmp_path / "config.json").write_text(json.dumps(config))
         self.vllm_config = VllmConfig(

@@ -8,7 +8,7 @@ import pytest
 from mlx_lm.models import lfm2, qwen3_next
 from vllm.model_executor.layers.mamba.mamba_utils import MambaStateShapeCalculator
 
-from paged_prefix.recurrent import HYBRID_CONFIGS
+from paged_prefix.models import BUILTIN_CONFIGS
 from paged_prefix.recurrent import lfm2 as lfm2_states
 from paged_prefix.recurrent import qwen3_next as qwen3_next_states
 from tests.conftest import assert_close
@@ -19,7 +19,7 @@ MODULES = {"qwen3-next-test": qwen3_next, "lfm2-test": lfm2}
 def build(name: str):
     mx.random.seed(0)
     module = MODULES[name]
-    model = module.Model(module.ModelArgs.from_dict(HYBRID_CONFIGS[name]))
+    model = module.Model(module.ModelArgs.from_dict(BUILTIN_CONFIGS[name]))
     model.set_dtype(mx.float32)
     mx.eval(model.parameters())
     return model
@@ -34,7 +34,7 @@ def test_layer_kinds_follow_each_models_pattern():
         [False, False, True, False]
 
 
-@pytest.mark.parametrize("name", HYBRID_CONFIGS)
+@pytest.mark.parametrize("name", MODULES)
 def test_cached_prompt_then_decode_equals_one_forward(name):
     model = build(name)
     tokens = mx.array(np.random.default_rng(0).integers(3, 512, (1, 16)))
@@ -48,13 +48,13 @@ def test_cached_prompt_then_decode_equals_one_forward(name):
 
 def test_state_shapes_are_vllms():
     """vLLM's MambaSpec shapes for these layers, tensor parallel size 1, no speculation."""
-    cfg = HYBRID_CONFIGS["qwen3-next-test"]
+    cfg = BUILTIN_CONFIGS["qwen3-next-test"]
     layer = build("qwen3-next-test").layers[0].linear_attn
     assert qwen3_next_states.state_shapes(layer) == MambaStateShapeCalculator \
         .gated_delta_net_state_shape(1, cfg["linear_num_key_heads"], cfg["linear_num_value_heads"],
                                      cfg["linear_key_head_dim"], cfg["linear_value_head_dim"],
                                      cfg["linear_conv_kernel_dim"])
-    cfg = HYBRID_CONFIGS["lfm2-test"]
+    cfg = BUILTIN_CONFIGS["lfm2-test"]
     layer = build("lfm2-test").layers[0].conv
     assert lfm2_states.state_shapes(layer) == MambaStateShapeCalculator.short_conv_state_shape(
         1, cfg["conv_dim"], cfg["conv_L_cache"])

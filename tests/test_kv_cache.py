@@ -5,6 +5,7 @@ import numpy as np
 import pytest
 
 from paged_prefix.kv_cache import MAX_SLICE_RUNS, PagedKVCache
+from paged_prefix.kv_layout import KVGroup, KVLayout
 from tests.conftest import DTYPES
 
 
@@ -140,3 +141,71 @@ def test_bad_geometry_names_field(field, value):
 def test_bad_dtype():
     with pytest.raises(ValueError, match="dtype"):
         PagedKVCache(1, 4, 16, 2, 64, mx.int32)
+
+
+def gemma_like(num_layers: int, per_group: int) -> list[KVGroup]:
+    """vLLM's groups of a 5 sliding : 1 full model (`_get_kv_cache_groups_uniform_page_size`):
+    the full layers in groups of `per_group`, the sliding ones spread over groups as large."""
+    full = [i for i in range(num_layers) if i % 6 == 5]
+    sliding = [i for i in range(num_layers) if i % 6 != 5]
+    n = -(-len(sliding) // per_group)
+    return ([KVGroup(tuple(full[i::len(full) // per_group]), None)
+             for i in range(len(full) // per_group)]
+            + [KVGroup(tuple(sliding[i::n]), 512) for i in range(n)])
+
+
+@pytest.mark.parametrize("num_layers, per_group", [(6, 1), (12, 2), (26, 4), (62, 10)])
+def test_layers_of_one_group_never_share_an_array_and_a_forward_waits_once_per_round(
+        num_layers, per_group):
+    groups = gemma_like(num_layers, per_group)
+    layout = KVLayout.of(groups, num_layers)
+    assert layout.num_arrays == max(len(g.layers) for g in groups)
+    for g in groups:  # one block table: its layers' rows must be apart
+        assert len({layout.array_of[i] for i in g.layers}) == len(g.layers)
+    # a layer waits exactly when its array was written since the last wait
+    written = set()
+    for i in range(num_layers):
+        if layout.array_of[i] in written:
+            assert i in layout.wait_before
+        if i in layout.wait_before:
+            written = set()
+        written.add(layout.array_of[i])
+    # the arrays fill round by round: about one wait per num_arrays layers, not one a layer
+    assert len(layout.wait_before) <= -(-num_layers // layout.num_arrays)
+
+
+def test_one_group_keeps_an_array_pair_per_layer_and_never_waits():
+    layout = KVLayout.single(5)
+    assert layout.array_of == (0, 1, 2, 3, 4) and not layout.wait_before
+    assert layout.windows == (None,) and layout.group_of == (0,) * 5
+
+
+@pytest.mark.parametrize("groups, field", [
+    ([], "groups"),
+    ([KVGroup((0, 1)), KVGroup((1, 2))], "layer 1 is in groups 0 and 1"),
+    ([KVGroup((0, 1))], r"layers \[2\] are in no group"),
+    ([KVGroup((0, 1, 2), 0)], "window"),
+    ([KVGroup((0, 1, 3))], "layers"),
+    ([KVGroup(())], "groups"),
+])
+def test_bad_groups_name_the_field(groups, field):
+    with pytest.raises(ValueError, match=field):
+        KVLayout.of(groups, 3)
+
+
+def test_layers_sharing_an_array_write_their_own_blocks():
+    """Layers 0 (group 0) and 1 (group 1) share one array pair: each group's blocks hold its
+    own layer's rows, and a layer's view is the shared array."""
+    layout = KVLayout.of([KVGroup((0,)), KVGroup((1,), 32)], 2)
+    cache = PagedKVCache(2, 6, 16, 2, 64, mx.float32, layout)
+    assert layout.array_of == (0, 0) and layout.wait_before == frozenset({1})
+    assert cache.nbytes == 2 * 6 * 16 * 2 * 64 * 4  # one K and one V array
+    rows0, rows1 = np.arange(16, 40), np.arange(64, 70)  # group 0 in blocks 1-2, group 1 in 4
+    k0, k1 = mx.ones((24, 2, 64)), 2 * mx.ones((6, 2, 64))
+    cache.write(0, k0, -k0, cache.slots(rows0))
+    cache.write(1, k1, -k1, cache.slots(rows1))
+    k, v = (np.array(a).reshape(-1, 2, 64) for a in cache.blocks(0))
+    assert (k[rows0] == 1).all() and (k[rows1] == 2).all() and (v[rows1] == -2).all()
+    assert not np.delete(k, np.concatenate([rows0, rows1]), axis=0).any()
+    assert all(a is b for a, b in zip(cache.stored(0), cache.stored(1)))
+    assert cache.windows == (None, 32) and len(cache.arrays(range(2))) == 2

@@ -182,3 +182,86 @@ def test_device_arrays_keep_values_shape_and_dtype(host):
     assert out.shape == host.shape and out.dtype == mx.array(host).dtype
     assert out.tolist() == host.tolist()
 
+
+
+# A windowed KV-cache group (vLLM's hybrid manager): W = 20 over blocks of 16. A sequence with 40
+# tokens cached and 8 new sees keys from 40 - 20 + 1 = 21 on: block 0 is never read.
+WINDOWS = (None, 20)
+
+
+def windowed(req_id="r", full=(3, 1, 7), sliding=(0, 2, 4)):
+    """A 48-token prompt, 40 of them cached, in both groups."""
+    return ScheduledRequest(req_id, list(range(100, 148)), 48, 40, 8, (list(full), list(sliding)))
+
+
+def test_a_windowed_group_reads_from_its_first_visible_key():
+    meta = build_batch_metadata([windowed()], BS, 8, windows=WINDOWS)
+    full, sliding = meta.groups
+    assert (full.attn.window, sliding.attn.window) == WINDOWS
+    assert full.attn.live_from_host.tolist() == [0] and sliding.attn.live_from_host.tolist() == [1]
+    assert sliding.attn.live_blocks().tolist() == [[0, 2], [0, 4]]  # not block 0
+    # each group's new rows go to its own blocks: positions 40..47 in the third block
+    assert full.slot_mapping.tolist() == [7 * BS + 8 + i for i in range(8)]
+    assert sliding.slot_mapping.tolist() == [4 * BS + 8 + i for i in range(8)]
+    assert meta.positions.tolist() == list(range(40, 48))
+    with pytest.raises(ValueError, match="attn: this forward has 2 KV-cache groups"):
+        _ = meta.attn
+
+
+@pytest.mark.parametrize("window, first", [(1, 2), (8, 2), (9, 2), (24, 1), (25, 1), (41, 0),
+                                           (10**6, 0)])
+def test_the_first_live_block_is_that_of_the_first_visible_key(window, first):
+    """key_start = max(0, 40 - W + 1): W = 1 sees only the new tokens (block 2 holds 32..47)."""
+    meta = build_batch_metadata([windowed()], BS, 8, windows=(None, window))
+    assert meta.groups[1].attn.live_from_host.tolist() == [first]
+
+
+@pytest.mark.parametrize("dead", [(0, 2, 4), (5, 2, 4), (1, 2, 4), (2, 2, 4)],
+                         ids=["null block", "a free block", "another group's", "a repeat"])
+def test_entries_left_of_the_window_need_only_be_pool_ids(dead):
+    """vLLM frees a windowed group's blocks outside the window: what its list holds there is
+    its null block, or a block it has since handed out; no check applies but the pool's."""
+    meta = build_batch_metadata([windowed(sliding=dead)], BS, 8, windows=WINDOWS)
+    assert meta.groups[1].attn.block_tables_host.tolist() == [list(dead)]
+    with pytest.raises(ValueError, match=r"block_tables\[group 1\]\[0\]"):
+        build_batch_metadata([windowed(sliding=(8, 2, 4))], BS, 8, windows=WINDOWS)
+
+
+def test_a_stale_entry_may_be_a_block_another_sequence_writes():
+    """'b' was handed 'a''s freed block 6 and fills it in this forward; 'a' no longer sees it."""
+    a = windowed("a", full=(3, 1, 7), sliding=(6, 2, 4))
+    b = ScheduledRequest("b", list(range(300, 320)), 20, 0, 20, ([9, 10], [6, 5]))
+    meta = build_batch_metadata([a, b], BS, 12, windows=WINDOWS)
+    assert meta.groups[1].slot_mapping_host[8:].tolist() == [6 * BS + i for i in range(16)] + \
+        [5 * BS + i for i in range(4)]
+
+
+@pytest.mark.parametrize("a_sliding, b_sliding, match", [
+    ((0, 2, 2), (6, 5), "names a block twice among the blocks 1 .. 2"),
+    ((0, 2, 4), (4, 5), "both write block 4"),
+    ((0, 5, 4), (6, 5), "reads block 5 as cached prefix while .b. writes other tokens"),
+    ((0, 2, 4), (2, 5), "reads block 2 as its cached prefix while sequence 1 writes it"),
+])
+def test_live_blocks_keep_every_check(a_sliding, b_sliding, match):
+    a = windowed("a", full=(3, 1, 7), sliding=a_sliding)
+    b = ScheduledRequest("b", list(range(300, 320)), 20, 0, 20, ([9, 10], list(b_sliding)))
+    with pytest.raises(ValueError, match=match):
+        build_batch_metadata([a, b], BS, 12, windows=WINDOWS)
+
+
+def test_a_block_belongs_to_one_group_in_a_forward():
+    with pytest.raises(ValueError, match="block 2 is read or written by KV-cache groups 0 and 1"):
+        build_batch_metadata([windowed(full=(3, 2, 7), sliding=(0, 2, 4))], BS, 8,
+                             windows=WINDOWS)
+    # a stale entry of the windowed group may name a block the full group uses
+    build_batch_metadata([windowed(full=(3, 1, 7), sliding=(3, 2, 4))], BS, 8, windows=WINDOWS)
+
+
+@pytest.mark.parametrize("blocks", [[3, 1, 7], ([3, 1, 7],), ([3, 1, 7], [0, 2], [4, 5, 6])],
+                         ids=["flat", "one list", "three lists"])
+def test_one_block_list_per_group(blocks):
+    request = ScheduledRequest("r", list(range(100, 140)), 40, 32, 8, blocks)
+    with pytest.raises(ValueError, match=r"block_ids \('r'\): \d block lists for 2 KV-cache"):
+        build_batch_metadata([request], BS, 8, windows=WINDOWS)
+    meta = build_batch_metadata([request], BS, 8) if len(blocks) != 3 else None
+    assert meta is None or meta.attn.block_tables_host.tolist() == [[3, 1, 7]]

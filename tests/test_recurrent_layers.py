@@ -12,7 +12,8 @@ import pytest
 from mlx_lm.models import lfm2, qwen3_next
 from mlx_lm.models.cache import ArraysCache
 
-from paged_prefix.recurrent import HYBRID_CONFIGS, build_plan, gated_delta_net, short_conv
+from paged_prefix.models import BUILTIN_CONFIGS
+from paged_prefix.recurrent import build_plan, gated_delta_net, short_conv
 from paged_prefix.recurrent import lfm2 as lfm2_states
 from paged_prefix.recurrent import qwen3_next as qwen3_next_states
 from tests.conftest import assert_close
@@ -26,7 +27,7 @@ class Kind:
 
     def layer(self):
         mx.random.seed(0)
-        model = self.module.Model(self.module.ModelArgs.from_dict(HYBRID_CONFIGS[self.config]))
+        model = self.module.Model(self.module.ModelArgs.from_dict(BUILTIN_CONFIGS[self.config]))
         mx.eval(model.parameters())
         if self.name == "gdn":
             return model.layers[0].linear_attn

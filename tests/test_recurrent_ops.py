@@ -10,7 +10,8 @@ import pytest
 from mlx_lm.models import lfm2
 from mlx_lm.models.gated_delta import gated_delta_update, normalize_qk
 
-from paged_prefix.recurrent import HYBRID_CONFIGS, build_plan, causal_conv, gated_delta
+from paged_prefix.models import BUILTIN_CONFIGS
+from paged_prefix.recurrent import build_plan, causal_conv, gated_delta
 from tests.conftest import ON_GPU, assert_close
 
 LAYOUTS = {
@@ -43,7 +44,7 @@ def segments(lens, boundaries):
 def test_causal_conv_is_mlx_lms_concat_then_conv(layout):
     lens, boundaries = LAYOUTS[layout]
     mx.random.seed(0)
-    conv = lfm2.Model(lfm2.ModelArgs.from_dict(HYBRID_CONFIGS["lfm2-test"])).layers[0].conv.conv
+    conv = lfm2.Model(lfm2.ModelArgs.from_dict(BUILTIN_CONFIGS["lfm2-test"])).layers[0].conv.conv
     k, channels = conv.weight.shape[1], conv.weight.shape[0]
     x = mx.random.normal((sum(lens), channels))
     state = mx.random.normal((len(lens), k - 1, channels))

@@ -5,7 +5,8 @@ import numpy as np
 import pytest
 from mlx_lm.models import lfm2
 
-from paged_prefix.recurrent import HYBRID_CONFIGS, build_plan, causal_conv, gated_delta
+from paged_prefix.models import BUILTIN_CONFIGS
+from paged_prefix.recurrent import build_plan, causal_conv, gated_delta
 
 
 def test_segments_run_in_rounds_of_one_length_and_states_come_back_by_sequence():
@@ -52,7 +53,7 @@ def test_bad_plans_are_refused_naming_the_field(cu, boundaries, kernel, field):
 
 def test_inputs_that_do_not_fit_the_plan_are_refused():
     mx.random.seed(0)
-    layer = lfm2.Model(lfm2.ModelArgs.from_dict(HYBRID_CONFIGS["lfm2-test"])).layers[0].conv
+    layer = lfm2.Model(lfm2.ModelArgs.from_dict(BUILTIN_CONFIGS["lfm2-test"])).layers[0].conv
     plan = build_plan([0, 2, 5], [[], []], conv_kernel=3)
     x, state = mx.zeros((5, 256)), mx.zeros((2, 2, 256))
     with pytest.raises(ValueError, match="x: 4 rows"):

@@ -33,7 +33,7 @@ def test_admit_keeps_the_prompt_blocks_and_the_schedulers_hit():
     request = new("a", list(PROMPT), ([4, 5, 6],), computed=32)
     state = admit(request, LIMITS)
     assert state.prompt_token_ids == PROMPT and state.output_token_ids == ()
-    assert state.block_ids == (4, 5, 6) and state.num_computed == 32
+    assert state.block_ids == ((4, 5, 6),) and state.num_computed == 32
     assert state.generator is None  # unseeded
     request.prompt_token_ids.append(9)  # the scheduler's lists stay its own
     assert len(state.prompt_token_ids) == 40
@@ -53,7 +53,8 @@ def test_a_chunked_prefill_continues_where_the_last_chunk_stopped():
 def test_block_ids_are_appended_across_steps():
     live = prefilled(blocks=(1, 2, 3))
     tokens = 41
-    for new_blocks, want in ((None, (1, 2, 3)), (([4],), (1, 2, 3, 4)), (([9, 8],), (1, 2, 3, 4, 9, 8))):
+    for new_blocks, want in ((None, ((1, 2, 3),)), (([4],), ((1, 2, 3, 4),)),
+                             (([9, 8],), ((1, 2, 3, 4, 9, 8),))):
         plan = run(live, step({"a": 1}, cached_reqs=cached(["a"], [new_blocks], [tokens - 1])))
         assert plan.requests["a"].block_ids == want
         live, tokens = with_sampled(plan.requests, {"a": 5}), tokens + 1
@@ -63,12 +64,12 @@ def test_block_ids_are_appended_across_steps():
 def test_a_preempted_request_resumes_with_new_blocks_a_new_hit_and_the_schedulers_tokens():
     live = prefilled(blocks=(1, 2, 3), sampled=7)
     preempting = run(live, step({}, preempted=["a"]))
-    assert preempting.meta is None and preempting.requests["a"].block_ids == ()
+    assert preempting.meta is None and preempting.requests["a"].block_ids == ((),)
     known = [*PROMPT, 7]
     resumed = cached(["a"], [([10, 11, 12],)], [16], resumed=["a"], all_token_ids={"a": known})
     plan = run(preempting.requests, step({"a": 25}, cached_reqs=resumed))
     state = plan.requests["a"]
-    assert state.block_ids == (10, 11, 12) and state.output_token_ids == (7,)
+    assert state.block_ids == ((10, 11, 12),) and state.output_token_ids == (7,)
     assert state.num_computed == 41  # the scheduler's hit of 16, then the 25 tokens it recomputes
     assert np.array(plan.meta.positions).tolist() == list(range(16, 41))
     other_prompt = cached(["a"], [([10, 11, 12],)], [16], resumed=["a"],
@@ -98,3 +99,63 @@ def test_more_sampling_rows_than_the_limit_are_refused():
     requests = [new(r, [5, 6], ([i + 1],)) for i, r in enumerate("abcde")]
     with pytest.raises(ValueError, match="max_num_seqs=4"):
         run({}, step({r: 2 for r in "abcde"}, requests))
+
+
+# Two KV-cache groups: full attention, and a sliding window of 20 (blocks of 16).
+HYBRID = Limits(vocab_size=512, block_size=16, num_blocks=32, max_sampling_rows=4,
+                windows=(None, 20))
+
+
+def hybrid(live, so):
+    return plan_step(live, so, HYBRID)
+
+
+def test_each_group_has_its_block_list_and_new_blocks_append_per_group():
+    with pytest.raises(ValueError, match=r"one block list per KV-cache group \(2\)"):
+        hybrid({}, step({"a": 40}, [new("a", PROMPT, ([1, 2, 3],))]))
+    plan = hybrid({}, step({"a": 40}, [new("a", PROMPT, ([1, 2, 3], [4, 5, 6]))]))
+    assert plan.requests["a"].block_ids == ((1, 2, 3), (4, 5, 6))
+    assert [g.attn.window for g in plan.meta.groups] == [None, 20]
+    live = with_sampled(plan.requests, {"a": 7})
+    for tokens in range(40, 48):  # the next block comes at token 48
+        live = with_sampled(hybrid(live, step({"a": 1}, cached_reqs=cached(["a"], [None],
+                                                                           [tokens]))).requests,
+                            {"a": 7})
+    plan = hybrid(live, step({"a": 1}, cached_reqs=cached(["a"], [([8], [9])], [48])))
+    assert plan.requests["a"].block_ids == ((1, 2, 3, 8), (4, 5, 6, 9))
+    assert plan.meta.groups[1].slot_mapping_host.tolist() == [9 * 16]
+    preempted = hybrid(plan.requests, step({}, preempted=["a"])).requests
+    assert preempted["a"].block_ids == ((), ())
+
+
+@pytest.mark.parametrize("hit, sliding, ok", [
+    (0, [0, 5, 6, 7, 8], False),    # a fresh prompt would write the null block
+    (32, [0, 5, 6, 7, 8], False),   # 32 cached: keys from 13 on, block 0 is read
+    (64, [0, 0, 6, 7, 8], True),    # 64 cached: keys from 45 on, blocks 0-1 never read
+    (64, [0, 5, 0, 7, 8], False),   # ... but block 2 is
+])
+def test_the_null_block_is_never_written_nor_read_inside_the_window(hit, sliding, ok):
+    prompt = list(range(3, 73))  # 70 tokens: five blocks
+    so = step({"a": 70 - hit}, [new("a", prompt, ([1, 2, 3, 4, 9], sliding), computed=hit)])
+    if ok:
+        assert hybrid({}, so).meta.groups[1].attn.live_from_host.tolist() == [2]
+    else:
+        with pytest.raises(ValueError, match="null block 0 inside its window"):
+            hybrid({}, so)
+    with pytest.raises(ValueError, match="null block 0 in its table"):
+        hybrid({}, step({"a": 70}, [new("a", prompt, ([1, 0, 3, 4, 9], [5, 6, 7, 8, 10]))]))
+
+
+def test_a_windowed_group_holds_its_blocks_from_the_window_on():
+    """vLLM frees 'a''s sliding blocks behind its window without telling the runner and may
+    hand them to 'b' at once; one still inside the window stays 'a''s."""
+    plan = hybrid({}, step({"a": 40}, [new("a", PROMPT, ([1, 2, 3], [4, 5, 6]))]))
+    live = with_sampled(plan.requests, {"a": 7})  # 'a' computed 40: its next query sees 21..40
+    took_freed = new("b", list(range(60, 80)), ([10, 11], [4, 12]))
+    assert hybrid(live, step({"b": 20}, [took_freed])).requests["a"].block_ids[1] == (4, 5, 6)
+    took_live = new("b", list(range(60, 80)), ([10, 11], [5, 12]))
+    with pytest.raises(ValueError, match="writes block 5, which running request 'a' holds"):
+        hybrid(live, step({"b": 20}, [took_live]))
+    took_full = new("b", list(range(60, 80)), ([1, 11], [13, 12]))  # full blocks stay held
+    with pytest.raises(ValueError, match="writes block 1, which running request 'a' holds"):
+        hybrid(live, step({"b": 20}, [took_full]))

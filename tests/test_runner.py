@@ -293,7 +293,7 @@ def test_a_batch_run_again_reuses_its_checks_and_changes_no_bit(path):
         logits = h.runner.forward(meta)
         mx.eval(logits, h.runner.kv_cache.arrays())
         runs.append((np.array(logits.astype(mx.float32)), cache_state(h.runner)))
-    slots = h.runner._slots(meta)
+    slots, = h.runner._slots(meta)  # the one KV-cache group's
     assert not slots.runs and slots.device is meta.slot_mapping
     for logits, cache in runs[1:]:
         np.testing.assert_array_equal(logits, runs[0][0])

@@ -5,8 +5,8 @@ first pass's blocks (a shared prefix longer than the models' 20-key windows), on
 that vLLM chunks, and to mlx-lm's own greedy generation: its model with its own caches
 (`mlx_lm_oracle.py`, which windows the layers mlx-lm's class does not), and `generate_step`
 itself where mlx-lm's class runs the whole architecture. vLLM runs in a child process
-(`serving_architectures_driver.py`). Until vLLM is told each layer's window (per-group cache
-specs), it schedules every layer as full attention and windowed layers mask: the same tokens.
+(`serving_architectures_driver.py`). vLLM is told each layer's window: the windowed layers
+form their own KV-cache groups, whose blocks it frees behind the window.
 
 Its own nox session (`nox -s serving-architectures`): a fresh machine's vLLM inspects each new
 architecture's class once (~45 s each here), ~1 min after that.
@@ -14,53 +14,27 @@ architecture's class once (~45 s each here), ~1 min after that.
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import mlx.core as mx
 import pytest
 from mlx_lm.generate import generate_step
 
-from bench.vllm_server import child_env
 from paged_prefix.model_loader import load_model, read_config
-from paged_prefix.models import write_folder
 
 from .mlx_lm_oracle import MlxLmOracle
 from .serving_architectures_driver import GREEDY_TOKENS
-from .serving_support import require_serving
+from .serving_support import driver_fixtures
 
 DRIVER = Path(__file__).with_name("serving_architectures_driver.py")
-ROOT = Path(__file__).resolve().parents[1]
 MODELS = ("llama3-test", "mistral-test", "gemma2-test", "gemma3-test", "gpt-oss-test",
           "qwen3-moe-test", "mixtral-test")
 # mlx-lm's class runs these configs' attention in full, windows included
 WHOLE_IN_MLX_LM = ("llama3-test", "gemma3-test", "gpt-oss-test", "qwen3-moe-test", "mixtral-test")
 
 
-@pytest.fixture(scope="module")
-def folders(tmp_path_factory) -> dict[str, Path]:
-    require_serving()
-    root = tmp_path_factory.mktemp("architectures")
-    return {name: write_folder(name, root / name, None, mx.float32, seed=0) for name in MODELS}
-
-
-@pytest.fixture(scope="module")
-def runs(folders) -> dict:
-    """{model: {caching: {"passes": [pass 1, pass 2, long prompt]}}}, by model name."""
-    # the child imports this tree's packages, as the test process does
-    env = {**child_env(), "PYTHONPATH": os.pathsep.join(
-        [str(ROOT), *filter(None, [os.environ.get("PYTHONPATH")])])}
-    proc = subprocess.run([sys.executable, str(DRIVER), *map(str, folders.values())], env=env,
-                          capture_output=True, text=True, timeout=1800)
-    lines = [line for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
-    assert proc.returncode == 0 and lines, \
-        f"driver failed ({proc.returncode}):\n{proc.stderr[-4000:]}"
-    assert "Traceback" not in proc.stderr, f"driver logged an error:\n{proc.stderr[-4000:]}"
-    by_folder = json.loads(lines[-1][len("RESULT "):])
-    return {name: by_folder[str(folder)] for name, folder in folders.items()}
+# runs: {model: {caching: {"passes": [pass 1, pass 2, long prompt]}}}, by model name
+folders, runs = driver_fixtures("architectures", MODELS, DRIVER)
 
 
 def mlx_lm_greedy(folder: Path, prompt: list[int]) -> list[int]:

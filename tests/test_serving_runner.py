@@ -17,9 +17,9 @@ import pytest
 import torch
 from vllm.config import SchedulerConfig, VllmConfig
 from vllm.v1.core.sched.output import NewRequestData
-from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec
 
 from paged_prefix.engine import Engine, EngineConfig
+from paged_prefix.kv_groups import kv_cache_config, layer_specs
 from paged_prefix.models import build_model, resolve_config
 from paged_prefix.vllm_runner import VllmModelRunner
 from tests.scheduler_outputs import cached, new, step
@@ -29,13 +29,11 @@ CONFIG = resolve_config("llama-test")
 VOCAB = CONFIG["vocab_size"]
 
 
-def make_runner(vllm_config: VllmConfig | None = None) -> VllmModelRunner:
-    runner = VllmModelRunner(build_model(CONFIG, mx.float32, seed=0), vllm_config=vllm_config)
-    layers = [f"model.layers.{i}.self_attn.attn" for i in range(CONFIG["num_hidden_layers"])]
-    spec = FullAttentionSpec(block_size=BS, num_kv_heads=CONFIG["num_key_value_heads"],
-                             head_size=CONFIG["head_dim"], dtype=torch.float32)
-    runner.initialize_kv_cache(KVCacheConfig(num_blocks=NUM_BLOCKS, kv_cache_tensors=[],
-                                             kv_cache_groups=[KVCacheGroupSpec(layers, spec)]))
+def make_runner(vllm_config: VllmConfig | None = None, config: dict = CONFIG) -> VllmModelRunner:
+    runner = VllmModelRunner(build_model(config, mx.float32, seed=0), vllm_config=vllm_config)
+    specs = layer_specs(runner.layer_windows(), BS, config["num_key_value_heads"],
+                        config["head_dim"], torch.float32)
+    runner.initialize_kv_cache(kv_cache_config(vllm_config or VllmConfig(), specs, NUM_BLOCKS))
     return runner
 
 
@@ -143,6 +141,51 @@ def test_bad_step_raises_naming_the_field_and_changes_nothing(running, case):
     assert out.sampled_token_ids == [[out.sampled_token_ids[0][0]]]
 
 
+@pytest.fixture
+def running_grouped() -> VllmModelRunner:
+    """A two-group runner (window 20, full) with request 'a' (40 prompt tokens, blocks 1-3 in
+    the sliding group, 4-6 in the full one) that has sampled one token."""
+    runner = make_runner(config=GROUPED)
+    runner.execute_model(step({"a": 40}, [new("a", list(range(3, 43)), ([1, 2, 3], [4, 5, 6]))]))
+    return runner
+
+
+# hits of 48 tokens: the sliding group's first visible key is 48 - 20 + 1 = 29, in its block 1
+GROUPED_BAD_STEPS = {
+    "one block list for two groups": (
+        step({"b": 10}, [new("b", list(range(60, 70)), ([7],))]), "one block list per KV-cache"),
+    "new blocks for one of two groups": (
+        step({"a": 1}, cached_reqs=cached(["a"], [([7],)], [40])), "one block list per KV-cache"),
+    "the null block read inside the window": (
+        step({"b": 2}, [new("b", list(range(60, 110)), ([0, 0, 8, 9], [10, 11, 12, 13]),
+                            computed=48)]), "null block 0 inside its window"),
+    "the null block in the full group": (
+        step({"b": 2}, [new("b", list(range(60, 110)), ([0, 7, 8, 9], [0, 11, 12, 13]),
+                            computed=48)]), "null block 0 in its table"),
+    "a block in both groups": (
+        step({"b": 10}, [new("b", list(range(60, 70)), ([7], [7]))]),
+        "block 7 is read or written by KV-cache groups 0 and 1"),
+    "a block still inside 'a''s window": (
+        step({"b": 10}, [new("b", list(range(60, 70)), ([3], [8]))]),
+        "writes block 3, which running request 'a' holds"),
+}
+
+
+@pytest.mark.parametrize("case", list(GROUPED_BAD_STEPS))
+def test_bad_group_input_raises_naming_the_field_and_changes_nothing(running_grouped, case):
+    so, field = GROUPED_BAD_STEPS[case]
+    before = state(running_grouped)
+    with pytest.raises(ValueError, match=field):
+        running_grouped.execute_model(so)
+    assert_same_state(before, state(running_grouped))
+    # 'a''s first sliding block is behind its window (it computed 40: keys from 21 on): another
+    # request may take it, and the null block may stand for it in a hit's list
+    fine = step({"b": 10, "c": 2}, [new("b", list(range(60, 70)), ([1], [8])),
+                                    new("c", list(range(3, 53)), ([0, 2, 9, 10],
+                                                                   [4, 5, 6, 11]), computed=48)])
+    assert len(running_grouped.execute_model(fine).sampled_token_ids) == 2
+
+
 def test_more_sampling_rows_than_max_num_seqs_are_refused_before_the_forward():
     runner = make_runner(VllmConfig(scheduler_config=SchedulerConfig(
         max_num_seqs=2, max_num_batched_tokens=2048, max_model_len=2048,
@@ -180,7 +223,7 @@ def test_writes_stay_inside_the_scheduled_rows_under_the_real_scheduler():
         computed.update((n.req_id, n.num_computed_tokens) for n in so.scheduled_new_reqs)
         allowed = np.zeros(len(before[0]), dtype=bool)
         for req_id, count in so.num_scheduled_tokens.items():
-            blocks = np.array(runner.requests[req_id].block_ids)
+            blocks = np.array(runner.requests[req_id].block_ids[0])
             pos = np.arange(computed[req_id], computed[req_id] + count)
             allowed[blocks[pos // BS] * BS + pos % BS] = True
         for layer_before, layer_after in zip(before, runner.runner.kv_cache.arrays()):
@@ -224,6 +267,35 @@ def test_warm_up_runs_the_prefill_decode_and_cached_prefix_paths_and_keeps_no_st
     assert not runner.requests
     out = runner.execute_model(step({"a": 20}, [new("a", list(range(3, 23)), ([1, 2],))]))
     assert len(out.sampled_token_ids[0]) == 1
+
+
+# two layers: a sliding window of 20 keys, then full attention (two KV-cache groups)
+GROUPED = resolve_config("llama-test", layer_types=["sliding_attention", "full_attention"],
+                         sliding_window=20)
+
+
+@pytest.mark.parametrize("config, max_num_seqs", [(CONFIG, 1), (GROUPED, 4)],
+                         ids=["one sampling row", "two groups"])
+def test_warm_up_fits_the_runner_it_warms(config, max_num_seqs, monkeypatch):
+    """With max_num_seqs 1 its two sampling rows go one at a time; with KV-cache groups each
+    group writes its own blocks (none twice, never block 0)."""
+    runner = make_runner(VllmConfig(scheduler_config=SchedulerConfig(
+        max_num_seqs=max_num_seqs, max_model_len=512, is_encoder_decoder=False)), config)
+    sampled, written = [], []
+    sample = runner.sampler.sample
+    monkeypatch.setattr(runner.sampler, "sample",
+                        lambda logits, rows, *a: sampled.append(len(rows)) or sample(logits, rows,
+                                                                                     *a))
+    slots = runner.runner.kv_cache.slots
+    monkeypatch.setattr(runner.runner.kv_cache, "slots",
+                        lambda host, *a: written.append(np.unique(host // BS)) or slots(host, *a))
+    runner.warm_up(runner.warm_up_limit())
+    assert sum(sampled) == 2 and max(sampled) <= max_num_seqs
+    groups = len(runner.runner.kv_cache.windows)
+    assert groups == len(config.get("layer_types") or [0])
+    for forward in range(0, len(written), groups):  # a forward's groups write apart
+        blocks = np.concatenate(written[forward:forward + groups])
+        assert 0 not in blocks and len(np.unique(blocks)) == len(blocks)
 
 
 def test_warm_up_writes_the_cache_both_ways(monkeypatch):

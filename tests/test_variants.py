@@ -168,3 +168,14 @@ def test_each_variant_plans_once_per_forward():
     local, full = geometry(window=8), geometry()
     first = [d.plan(meta, g) for g in (local, full, local, full)]
     assert first[0] is first[2] and first[1] is first[3] and first[0] is not first[1]
+
+
+def test_each_groups_metadata_keeps_its_plans():
+    """A forward over several KV-cache groups plans once per group's metadata; a step run again
+    (the same metadata objects) reuses every one of them."""
+    c = PagedCase([5], [20], 8, 2, 64, BS, mx.float16)
+    metas = [build_attention_metadata([5], [20], c.pages, BS, c.num_blocks) for _ in range(3)]
+    d = Dispatcher("sdpa", backends={})
+    first = [d.plan(m, geometry()) for m in metas]
+    again = [d.plan(m, geometry()) for m in metas]
+    assert all(a is b for a, b in zip(first, again))

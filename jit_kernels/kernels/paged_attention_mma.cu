@@ -51,13 +51,7 @@
   T* sQ = sK + (MT > 1 ? STAGES : STAGES - 1) * BUF;  // [BLOCK_M][LD]: own, or the last stage
 
   const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
-  const int* item = work + static_cast<size_t>(blockIdx.x) * WORK_COLS;
-  const int seq = item[W_SEQ], tok0 = item[W_TOK0], ntok = item[W_NTOK], pos0 = item[W_POS0];
-  const int kvh = item[W_KV_HEAD], kv_start = item[W_KV_START], kv_end = item[W_KV_END];
-  const int slot = item[W_SLOT];
-#if WINDOW
-  const int key_lo = max(pos0 - item[W_WINDOW] + 1, 0);  // the tile's first visible key
-#endif
+#include "work_item.inc"
   const int H = q_shape[1], HKV = H / GROUP, MAX_BLOCKS = block_tables_shape[1];
   const T* kc = reinterpret_cast<const T*>(k_cache);  // caches may come as stored words
   const T* vc = reinterpret_cast<const T*>(v_cache);

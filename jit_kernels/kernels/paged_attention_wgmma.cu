@@ -44,13 +44,7 @@ KERNEL_NAME(const T* q, const T* k_cache, const T* v_cache, const int* block_tab
   T* sK = reinterpret_cast<T*>(smem + ((1024 - (smem_addr(smem) & 1023)) & 1023));
 
   const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
-  const int* item = work + static_cast<size_t>(blockIdx.x) * WORK_COLS;
-  const int seq = item[W_SEQ], tok0 = item[W_TOK0], ntok = item[W_NTOK], pos0 = item[W_POS0];
-  const int kvh = item[W_KV_HEAD], kv_start = item[W_KV_START], kv_end = item[W_KV_END];
-  const int slot = item[W_SLOT];
-#if WINDOW
-  const int key_lo = max(pos0 - item[W_WINDOW] + 1, 0);  // the tile's first visible key
-#endif
+#include "work_item.inc"
   const int HKV = H / GROUP;
   const T* kc = reinterpret_cast<const T*>(k_cache);  // caches may come as stored words
   const T* vc = reinterpret_cast<const T*>(v_cache);

@@ -3,6 +3,7 @@
     check_config(config)   # a config.json's dict, before any weight is read
     model_classes(config)  # (Model, ModelArgs) for mlx-lm's loader and models.build_model
     architecture, layers = check_model(model)   # a built model: each layer's attention
+                                                # (None on a hybrid model's recurrent layers)
 
 Each refusal is a ValueError naming the config field or feature the runner cannot reproduce.
 """
@@ -13,11 +14,11 @@ from dataclasses import fields
 
 import mlx.nn as nn
 
-from . import gemma, gpt_oss, llama, mixtral, qwen
+from . import gemma, gpt_oss, lfm2, llama, mixtral, qwen, qwen3_next
 from .base import ARRAY_OFFSET_ROPES, Architecture, LayerAttention
 
 ARCHITECTURES: dict[str, Architecture] = {
-    a.model_type: a for family in (llama, qwen, gemma, gpt_oss, mixtral)
+    a.model_type: a for family in (llama, qwen, gemma, gpt_oss, mixtral, qwen3_next, lfm2)
     for a in family.ARCHITECTURES}
 MODEL_TYPES = tuple(ARCHITECTURES)
 
@@ -47,15 +48,21 @@ def model_classes(config: dict) -> tuple[type, type]:
     return arch.module.Model, arch.model_args
 
 
-def check_model(model: nn.Module) -> tuple[Architecture, list[LayerAttention]]:
-    """The model's architecture and each layer's attention; ValueError naming what the runner
-    cannot reproduce (a RoPE class that cannot take per-row positions among them)."""
+def check_model(model: nn.Module) -> tuple[Architecture, list[LayerAttention | None]]:
+    """The model's architecture and each layer's attention (None where a hybrid model's layer is
+    recurrent: `Architecture.recurrent`); ValueError naming what the runner cannot reproduce (a
+    RoPE class that cannot take per-row positions among them)."""
     arch = architecture(getattr(model.args, "model_type", None))
     if not isinstance(model, arch.module.Model):
         raise ValueError(f"model: a {type(model).__module__}.{type(model).__name__} for "
                          f"model_type {arch.model_type!r} (expected {arch.module.__name__}.Model)")
     layers = arch.attention(model)
-    for i, layer in enumerate(model.layers):
+    recurrent = arch.recurrent(model)
+    for i, (layer, spec, rec) in enumerate(zip(model.layers, layers, recurrent, strict=True)):
+        if (spec is None) == (rec is None):
+            raise ValueError(f"model: layer {i} must be either attention or recurrent")
+        if spec is None:
+            continue
         rope = layer.self_attn.rope
         if type(rope) not in ARRAY_OFFSET_ROPES:
             raise ValueError(f"rope: layer {i}'s {type(rope).__name__} cannot take per-token "

@@ -1,8 +1,10 @@
 """What an architecture tells the runner: how its mlx-lm model is built from a config, what each
-layer's attention computes, and what runs around the decoder layers (embedding, logits).
+layer's attention computes (or, in a hybrid model, which recurrent layer it holds), and what
+runs around the decoder layers (embedding, final norm, logits).
 
 The decoder layers themselves are mlx-lm's, run as they are (norms, residuals, MLP or experts);
-only each layer's attention module is replaced (`paged_prefix/attention.py`).
+only each layer's attention module (`paged_prefix/attention.py`) or recurrent module
+(`paged_prefix/recurrent_layers.py`) is replaced.
 """
 
 from __future__ import annotations
@@ -33,6 +35,9 @@ class LayerAttention:
     window: int | None = None  # a query at position p sees keys max(0, p - window + 1) .. p
     softcap: float | None = None  # each logit s becomes softcap * tanh(s / softcap)
     sinks: bool = False  # the module's `sinks` [H]: one logit per head in the denominator
+    # q_proj gives each head's queries, then as many gate logits; the output is multiplied by
+    # their sigmoid before the out projection (Qwen3-Next)
+    output_gate: bool = False
 
     def __post_init__(self):
         if self.window is not None and (isinstance(self.window, bool) or
@@ -40,8 +45,28 @@ class LayerAttention:
             raise ValueError(f"sliding_window: expected a positive int, got {self.window!r}")
 
 
+@dataclass(frozen=True)
+class RecurrentLayer:
+    """One recurrent layer of a hybrid model (docs/hybrid.md): the decoder layer's attribute
+    holding it, the drop-in that takes it over, and the state it keeps per sequence."""
+
+    attribute: str  # "linear_attn" (Qwen3-Next), "conv" (LFM2)
+    paged: type  # its drop-in (recurrent_layers.PagedGatedDeltaNet, PagedShortConv)
+    shapes: tuple[tuple[int, ...], ...]  # vLLM's MambaSpec shapes, mlx-lm's layout
+    compute_dtypes: tuple[mx.Dtype, ...]  # what mlx-lm computes each state in
+    mamba_type: str  # vLLM's MambaAttentionBackendEnum member, for the layer's MambaSpec
+
+
+def no_recurrent_layers(model: nn.Module) -> list[RecurrentLayer | None]:
+    return [None] * len(model.layers)
+
+
 def plain_embedding(model: nn.Module, ids: mx.array) -> mx.array:
     return model.model.embed_tokens(ids)
+
+
+def final_norm(model: nn.Module, hidden: mx.array) -> mx.array:
+    return model.model.norm(hidden)
 
 
 def vocabulary_head(model: nn.Module, hidden: mx.array) -> mx.array:
@@ -64,11 +89,15 @@ class Architecture:
     model_type: str
     hf_architecture: str  # config.json's "architectures" entry, for vLLM's ModelConfig
     module: ModuleType
-    attention: Callable[[nn.Module], list[LayerAttention]]  # each layer's, from the model
+    # each layer's, from the model; None on a hybrid model's recurrent layers
+    attention: Callable[[nn.Module], list[LayerAttention | None]]
     args: type | None = None  # None: the module's own ModelArgs
     check_config: Callable[[dict], None] = accept_config  # raises ValueError naming the field
     embed: Callable[[nn.Module, mx.array], mx.array] = plain_embedding  # ids [T] -> [T, hidden]
     logits: Callable[[nn.Module, mx.array], mx.array] = vocabulary_head  # normed rows -> logits
+    # each layer's recurrent module (hybrid models), None on its attention layers
+    recurrent: Callable[[nn.Module], list[RecurrentLayer | None]] = no_recurrent_layers
+    norm: Callable[[nn.Module, mx.array], mx.array] = final_norm  # last hidden rows -> normed
 
     @property
     def model_args(self) -> type:

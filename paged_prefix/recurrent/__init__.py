@@ -6,12 +6,11 @@ state before its chunk and returning its outputs and the states at the plan's bo
 How those states map to vLLM's blocks is in docs/hybrid.md.
 """
 
-from .configs import HYBRID_CONFIGS
 from .conv import causal_conv
 from .gated_delta import gated_delta
 from .lfm2 import short_conv
 from .plan import Batch, RecurrentPlan, build_plan
 from .qwen3_next import gated_delta_net
 
-__all__ = ["HYBRID_CONFIGS", "Batch", "RecurrentPlan", "build_plan", "causal_conv",
+__all__ = ["Batch", "RecurrentPlan", "build_plan", "causal_conv",
            "gated_delta", "gated_delta_net", "short_conv"]

@@ -19,13 +19,14 @@ refuses a budget that cannot hold one sequence of `max_model_len` tokens.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import mlx.core as mx
 import mlx.nn as nn
 import psutil
 
 from ..dispatch import Dispatcher
+from ..hybrid_config import fresh_states, profile_state_cache
 from ..kv_cache import PagedKVCache
 from ..metadata import ScheduledRequest, build_batch_metadata
 from ..runner import PagedModelRunner
@@ -59,19 +60,23 @@ def activation_peak(model: nn.Module, dispatcher: Dispatcher, num_tokens: int, b
                     num_kv_heads: int, head_dim: int, dtype: mx.Dtype) -> int:
     """MLX's peak bytes during one forward of `num_tokens` above what it leaves held."""
     num_blocks = -(-num_tokens // block_size)
-    cache = PagedKVCache(len(model.layers), num_blocks, block_size, num_kv_heads, head_dim, dtype)
-    runner = PagedModelRunner(model, cache, dispatcher)
+    # a hybrid model's recurrent layers: their states in a cache of their own
+    states, conv_kernel, num_attention = profile_state_cache(model)
+    cache = PagedKVCache(num_attention, num_blocks, block_size, num_kv_heads, head_dim, dtype)
+    runner = PagedModelRunner(model, cache, dispatcher, state_cache=states)
     vocab = runner.vocab_size
     request = ScheduledRequest("profile", [i % vocab for i in range(num_tokens)], num_tokens, 0,
                                num_tokens, list(range(num_blocks)))
     meta = build_batch_metadata([request], block_size, num_blocks, vocab_size=vocab)
+    if states is not None:
+        meta = replace(meta, states=fresh_states(states.num_groups, conv_kernel, num_tokens))
     mx.reset_peak_memory()
-    mx.eval(runner.forward(meta), cache.arrays())
+    mx.eval(runner.forward(meta), runner.cache_arrays())
     mx.synchronize()  # MLX frees the forward's buffers once the device is done with them
     # above what the forward leaves held: with it the runner's own stacks of the q/k/v and
     # gate/up weights, made in this first forward (the caller's model holds the originals)
     peak = mx.get_peak_memory() - mx.get_active_memory()
-    del runner, cache
+    del runner, cache, states
     mx.clear_cache()
     return max(peak, 0)
 

@@ -126,12 +126,24 @@ class MLXPlatform(Platform):
 
     @classmethod
     def support_hybrid_kv_cache(cls) -> bool:
-        return False
+        """vLLM's hybrid KV-cache manager: per-group block tables, sliding-window groups whose
+        blocks it frees outside the window (the runner reads none of them), and a hybrid
+        model's state groups (without it vLLM cannot group MambaSpecs beside attention)."""
+        return True
+
+    @classmethod
+    def pre_register_and_update(cls, parser=None) -> None:
+        """Before vLLM inspects a model's architecture (`model_info.py`)."""
+        from .model_info import register
+
+        register()
 
     @classmethod
     def check_and_update_config(cls, vllm_config: VllmConfig) -> None:
         from vllm.config import CompilationMode, CUDAGraphMode
 
+        from .. import hybrid_config
+        from ..model_loader import read_config
         from . import mirror_vllm_logging
 
         mirror_vllm_logging()
@@ -166,6 +178,9 @@ class MLXPlatform(Platform):
                 raise ValueError("paged_prefix: custom logits processors are not supported "
                                  "(vLLM's built-in min_p, logit_bias and min_tokens are)")
             model.disable_cascade_attn = True
+            if model.is_hybrid:
+                logger.info("paged_prefix platform: %s",
+                            hybrid_config.align_cache(vllm_config, read_config(model.model)))
         comp = vllm_config.compilation_config
         comp.mode = CompilationMode.NONE
         comp.cudagraph_mode = CUDAGraphMode.NONE

@@ -23,8 +23,11 @@ from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCache
 from vllm.v1.outputs import ModelRunnerOutput
 from vllm.v1.worker.worker_base import CompilationTimes, WorkerBase
 
-from .. import cpu_blas, precision
+from .. import cpu_blas, hybrid_config, precision
+from ..architectures import architecture
 from ..dispatch import Dispatcher
+from ..hybrid_groups import kernel_block_size
+from ..kv_groups import LAYOUT, layer_specs
 from ..model_loader import load_model
 from ..vllm_runner import TORCH_TO_MLX, VllmModelRunner
 from . import mirror_vllm_logging
@@ -98,18 +101,50 @@ class MLXWorker(WorkerBase):
             dtype=kv_cache_dtype_str_to_dtype(self.cache_config.cache_dtype, self.model_config))
 
     def get_kv_cache_spec(self) -> dict[str, KVCacheSpec]:
-        spec = self._spec()
-        return {f"model.layers.{i}.self_attn.attn": spec for i in range(len(self.runner.model.layers))}
+        """Each layer's spec: full attention, or its sliding window (`kv_groups.py`); a hybrid
+        model's attention and state layers (`_hybrid_specs`)."""
+        hybrid_specs = self._hybrid_specs()
+        if hybrid_specs is not None:
+            return hybrid_specs
+        page = self._spec()
+        return layer_specs(self.runner.layer_windows(), page.block_size, page.num_kv_heads,
+                           page.head_size, page.dtype)
+
+    def _hybrid_specs(self) -> dict[str, KVCacheSpec] | None:
+        """A hybrid model's layers: attention pages, and a MambaSpec per recurrent layer in the
+        block sizes the platform set (`hybrid_config.align_cache`); None for other models."""
+        model = self.runner.model
+        arch = architecture(model.args.model_type)
+        recurrent = arch.recurrent(model)
+        if not any(recurrent):
+            return None
+        first = next(r for r in recurrent if r is not None)
+        cache = self.cache_config
+        return hybrid_config.layer_specs(
+            arch.attention(model), recurrent, self._spec(),
+            hybrid_config.state_dtypes(first, self.model_config.dtype, cache), cache.mamba_block_size,
+            cache.mamba_page_size_padded, cache.mamba_cache_mode)
 
     def get_supported_kv_cache_layouts(self) -> list[str]:
-        # Per layer [num_blocks, block_size, num_kv_heads, head_dim], vllm-metal's layout.
-        return ["LBNHC"]
+        return [LAYOUT]
 
     def get_cache_block_size_bytes(self) -> int:
         return self._spec().page_size_bytes * len(self.runner.model.layers)
 
     def determine_available_memory(self) -> int:
-        """Bytes for the KV cache: --kv-cache-memory-bytes, else a measured budget."""
+        """Bytes for the KV cache: --kv-cache-memory-bytes, else a measured budget; for a
+        hybrid model scaled to the bytes its block count may be sized from
+        (`hybrid_config.budget_scale`)."""
+        budget = self._budget()
+        specs = self._hybrid_specs()
+        if specs is None:
+            return budget
+        scale, why = hybrid_config.budget_scale(self.vllm_config, specs)
+        logger.info("paged_prefix worker: hybrid model, %s: vLLM sizes its pool from %.0f of "
+                    "the %.0f MiB", why, budget * scale / MiB, budget / MiB)
+        return int(budget * scale)
+
+    def _budget(self) -> int:
         if self.cache_config.kv_cache_memory_bytes:
             logger.info("paged_prefix worker: KV cache budget %.0f MiB (--kv-cache-memory-bytes)",
                         self.cache_config.kv_cache_memory_bytes / MiB)
@@ -117,9 +152,11 @@ class MLXWorker(WorkerBase):
         spec = self._spec()
         full = self.scheduler_config.max_num_batched_tokens
         tokens = profile_tokens(full)
+        # a hybrid model's attention runs in kernel blocks inside vLLM's (hybrid_groups.py)
+        block = spec.block_size if self._hybrid_specs() is None else \
+            kernel_block_size(spec.block_size)
         peak = activation_peak(self.runner.model, self.runner.dispatcher or Dispatcher(), tokens,
-                               spec.block_size, spec.num_kv_heads, spec.head_size,
-                               TORCH_TO_MLX[spec.dtype])
+                               block, spec.num_kv_heads, spec.head_size, TORCH_TO_MLX[spec.dtype])
         activations = peak * full // tokens
         if tokens != full:
             logger.info("paged_prefix worker: activation peak measured over %d tokens (%.1f MiB), "
