@@ -72,22 +72,29 @@ __device__ __forceinline__ void online_softmax(float (&s)[MT][NTILES][4], float 
 #if SOFTCAP
   cap_scores(s, logits);
 #endif
-#if WINDOW
-  const bool window_edge = n0 < logits.window_from;
-#else
-  constexpr bool window_edge = false;
-#endif
-  if (n0 + 8 * NTILES > mask_from || window_edge) {  // diagonal, last or window-edge tile
+  if (n0 + 8 * NTILES > mask_from) {  // diagonal or last tile: mask by position
     for (int mt = 0; mt < MT; ++mt)
       for (int nt = 0; nt < NTILES; ++nt)
         for (int e = 0; e < 4; ++e) {
           const int key = n0 + nt * 8 + (lane % 4) * 2 + (e & 1);
           if (key > pos_row[mt][e / 2] || key >= kv_end) s[mt][nt][e] = -INFINITY;
-#if WINDOW
-          if (key <= pos_row[mt][e / 2] - logits.window) s[mt][nt][e] = -INFINITY;
-#endif
         }
   }
+#if WINDOW
+  // Keys left of some row's window. A loop of its own, unrolled: folded into the causal mask's,
+  // the 32-row-warp mma.sync variants kept the scores in local memory (432 stack bytes more).
+  if (n0 < logits.window_from) {
+#pragma unroll
+    for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+      for (int nt = 0; nt < NTILES; ++nt)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          const int key = n0 + nt * 8 + (lane % 4) * 2 + (e & 1);
+          if (key <= pos_row[mt][e / 2] - logits.window) s[mt][nt][e] = -INFINITY;
+        }
+  }
+#endif
   for (int mt = 0; mt < MT; ++mt)
     for (int i = 0; i < 2; ++i) {  // online softmax of rows row_lo + 16 mt + 8 i
       float mx = m_run[mt][i];
