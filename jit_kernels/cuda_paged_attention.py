@@ -196,22 +196,35 @@ class CudaPagedAttention(PagedAttentionKernel):
         """The fewest kv tiles a split part of this geometry's kernel takes."""
         return SPLIT_MIN_KV_TILES
 
+    def canary_plannings(self, geometry: Geometry) -> tuple[dict, ...]:
+        # The canary's contexts are a few kv tiles, under any split rule's minimum: one more
+        # planning splits every 64-row tile into single kv tiles, so the merge runs too.
+        plannings = super().canary_plannings(geometry)
+        return plannings + tuple({**p, "split_kv_tiles": 1} for p in plannings
+                                 if p["block_m"] != 128)
+
     def unsupported_reason(self, geometry: Geometry) -> str | None:
         return scale_reason(geometry.scale) or super().unsupported_reason(geometry)
 
     def plan(self, lengths: Lengths, geometry: Geometry, block_tables: mx.array, seqs=None,
-             block_m: int | None = None) -> CudaAttentionPlan:
-        """`block_m`: one of `tile_rows`; None chooses by the batch's size."""
+             block_m: int | None = None, split_kv_tiles: int | None = None) -> CudaAttentionPlan:
+        """`block_m`: one of `tile_rows`; None chooses by the batch's size. `split_kv_tiles`:
+        the fewest kv tiles of a split part; None takes the kernel's rule."""
         refuse_unsupported(self, geometry)
         seqs = lengths.seqs(seqs)
         g = geometry
         block_m = self._block_m(block_m, g) or choose_block_m(lengths.tokens_of(seqs), g.group,
                                                                g.num_kv_heads)
+        if split_kv_tiles is None:
+            split_kv_tiles = self.split_min_kv_tiles_for(g)
+        elif isinstance(split_kv_tiles, bool) or not isinstance(split_kv_tiles, numbers.Integral) \
+                or split_kv_tiles < 1:
+            raise ValueError(f"split_kv_tiles: a positive int, not {split_kv_tiles!r}")
         # 128-row plans are chosen only when they fill the GPU: never split them
         tiles = tile_plan.build_tile_plan(lengths.cu_seqlens_q, lengths.seq_lens, g.group,
                                           g.num_kv_heads, block_m, BLOCK_N, NUM_SMS,
                                           ctas_per_sm=SPLIT_ITEMS_PER_SM,
-                                          min_chunk=self.split_min_kv_tiles_for(g),
+                                          min_chunk=int(split_kv_tiles),
                                           min_items=0 if block_m == 128 else None,
                                           seqs=np.asarray(seqs), window=g.window)
         sets = COUNTER_SETS if tiles.num_slots else 1  # unsplit: counters never read

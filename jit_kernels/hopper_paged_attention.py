@@ -101,10 +101,12 @@ class HopperPagedAttention(cpa.CudaPagedAttention):
                 else super().split_min_kv_tiles_for(geometry))
 
     def plan(self, lengths: Lengths, geometry: Geometry, block_tables: mx.array, seqs=None,
-             block_m: int | None = None) -> cpa.CudaAttentionPlan:
+             block_m: int | None = None, split_kv_tiles: int | None = None
+             ) -> cpa.CudaAttentionPlan:
         if block_m is None and self.uses_wgmma(geometry):
             block_m = BLOCK_M  # the parent checks a caller's height against tile_rows
-        return super().plan(lengths, geometry, block_tables, seqs=seqs, block_m=block_m)
+        return super().plan(lengths, geometry, block_tables, seqs=seqs, block_m=block_m,
+                            split_kv_tiles=split_kv_tiles)
 
     def _kernel(self, g: Geometry, block_m: int, warp_m: int):
         if not self.uses_wgmma(g):

@@ -643,6 +643,27 @@ def test_cuda_forced_tile_height_is_planned_or_refused():
             plan_of(attention, *decode, g, block_m=bad)
 
 
+@pytest.mark.parametrize("window", [None, 77])
+@pytest.mark.parametrize("kernel", [cuda_attention.CudaPagedAttention,
+                                    hopper_attention.HopperPagedAttention], ids=["mma", "hopper"])
+@pytest.mark.parametrize("head_dim", [64, 128])
+def test_cuda_canary_splits_kv(kernel, head_dim, window):
+    """Host-only: the canary's case is a few kv tiles, under every split rule's minimum, so one
+    of its CUDA plannings splits them and the first-use check runs the merge (sinks included)."""
+    from paged_prefix import canary
+
+    attention = kernel(lambda **_: None)
+    g = Geometry(8, 2, head_dim, 16, mx.bfloat16, head_dim ** -0.5, window=window, sinks=True)
+    small, _, _, _, table, cu, seq_lens, _ = canary._case(g)
+    plannings = attention.canary_plannings(small)
+    slots = [attention.plan(Lengths.of(cu, seq_lens), small, table, **p).tiles.num_slots
+             for p in plannings]
+    assert slots[0] == 0 and any(slots), (plannings, slots)
+    for bad in (0, -1, 1.0, True, "1"):
+        with pytest.raises(ValueError, match="split_kv_tiles"):
+            attention.plan(Lengths.of(cu, seq_lens), small, table, split_kv_tiles=bad)
+
+
 @pytest.mark.skipif(emulated_metal_kernel is None, reason="no Metal emulation")
 def test_metal_has_one_tile_height_and_refuses_others():
     g = Geometry(8, 2, 64, 16, mx.float16, 0.125)
