@@ -40,7 +40,7 @@ def test_reference_keeps_fp32_scores_for_large_scores(dtype):
     """|scale q.k| up to ~150: half-precision scores (MLX's CPU fallback) miss the tolerance."""
     c = PagedCase([9, 1, 30], [40, 70, 0], 8, 2, 64, 16, dtype, seed=5, q_scale=40.0)
     scale = 64 ** -0.5
-    assert_close(run_reference(c, scale), c.oracle(scale), dtype)
+    assert_close(run_reference(c, scale), c.oracle(scale), dtype, q_scale=c.q_scale)
 
 
 @pytest.mark.parametrize("dtype", DTYPES.values(), ids=DTYPES.keys())
