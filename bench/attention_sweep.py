@@ -39,8 +39,8 @@ import reference
 from bench.gpu_time import gpu_us_together
 from jit_kernels import ContiguousSdpa, GatheredSdpa, available_backends
 from jit_kernels.geometry import Geometry
+from paged_prefix.attention_metadata import AttentionMetadata, build_attention_metadata
 from paged_prefix.dispatch import Dispatcher
-from paged_prefix.metadata import AttentionMetadata, build_attention_metadata
 
 HEADS, KV_HEADS, HEAD_DIM, BLOCK_SIZE, DTYPE = 32, 8, 128, 16, mx.bfloat16
 GEOMETRY = Geometry(HEADS, KV_HEADS, HEAD_DIM, BLOCK_SIZE, DTYPE, HEAD_DIM ** -0.5)

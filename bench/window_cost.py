@@ -25,8 +25,8 @@ from bench.attention_sweep import Point, checked, make_case, time_per_call
 from bench.gpu_time import gpu_us_together
 from jit_kernels import ContiguousSdpa, GatheredSdpa, available_backends
 from jit_kernels.geometry import Geometry
+from paged_prefix.attention_metadata import build_attention_metadata
 from paged_prefix.dispatch import Dispatcher
-from paged_prefix.metadata import build_attention_metadata
 
 HEADS, KV_HEADS, HEAD_DIM, BLOCK_SIZE, DTYPE = 32, 8, 128, 16, mx.bfloat16
 GPU_CALLS = 10

@@ -47,7 +47,7 @@ from jit_kernels import (
 from jit_kernels.geometry import Geometry
 
 from . import canary, rules
-from .metadata import AttentionMetadata
+from .attention_metadata import AttentionMetadata
 from .route import Route, Source, route
 
 ENV_VAR = "PAGED_PREFIX_ATTENTION"

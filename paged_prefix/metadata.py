@@ -2,20 +2,9 @@
 
 Data flows one way: scheduled requests -> `BatchMetadata` (host work and validation, once per
 forward) -> every layer reads it with no host sync: read-only numpy copies travel beside the
-device arrays.
-
-Token layout: the new tokens of all sequences are packed back to back, sequence s owning rows
-`cu_seqlens_q[s] : cu_seqlens_q[s + 1]`. Sequence s already has `context_lens[s]` tokens in its
-paged KV blocks (a prefix-cache hit or earlier chunks); its new token i sits at absolute
-position `context_lens[s] + i` and may attend to keys `0 .. context_lens[s] + i`
-(bottom-right-aligned causal), with a sliding window W the latest W of them.
-
-KV-cache groups (vLLM's hybrid manager: full-attention layers, sliding-window layers) have
-their own block tables and slots (`GroupMetadata`) and share the tokens and lengths. A windowed
-group never reads the table entries wholly before a sequence's first visible key
-(`reference.key_start`): vLLM's null block, or a block since handed to another request. The
-checks (a block named once, shared only as the same prefix, written by one sequence) apply to
-the entries a forward reads or writes; the others need only be pool ids.
+device arrays. Each KV-cache group (vLLM's hybrid manager: full-attention layers,
+sliding-window layers) has its own block tables and slots (`GroupMetadata`, over
+`attention_metadata.AttentionMetadata`) and shares the tokens and lengths.
 
 Every inconsistency is a ValueError naming the field, raised before anything is written.
 """
@@ -29,178 +18,10 @@ import mlx.core as mx
 import numpy as np
 
 from jit_kernels.arrays import device_array
-from jit_kernels.geometry import Lengths
-from reference import key_start
 
+from .attention_metadata import AttentionMetadata, attention_metadata_and_shared_reads, repeat_order
 from .state_metadata import StateMetadata
 from .validate import MAX_INT32, as_int, as_ints, frozen, index_dtype
-
-
-@dataclass(frozen=True, eq=False)
-class AttentionMetadata:
-    """What paged attention needs for one forward (the contract of `reference.contract`).
-
-    Device arrays (int32):
-      block_tables [S, max_blocks]: row s lists the KV blocks of sequence s in order;
-                                    entries past ceil(seq_lens[s] / block_size) are 0.
-      seq_lens     [S]: cached + new tokens per sequence.
-      context_lens [S]: tokens already in the cache when this forward starts.
-      cu_seqlens_q [S + 1]: prefix sums of the new-token counts.
-    Host mirrors (`*_host`, read-only numpy) carry the same values; `live_from_host` [S] is the
-    first table entry a forward reads (the block of `key_start` under `window`, else 0).
-    """
-
-    block_size: int
-    num_blocks: int
-    window: int | None  # the sliding window the tables were checked for (None: full)
-    block_tables: mx.array
-    seq_lens: mx.array
-    context_lens: mx.array
-    cu_seqlens_q: mx.array
-    block_tables_host: np.ndarray
-    seq_lens_host: np.ndarray
-    context_lens_host: np.ndarray
-    cu_seqlens_q_host: np.ndarray
-    live_from_host: np.ndarray
-    lengths: Lengths  # the host lengths, checked once, for every plan of the forward
-
-    @property
-    def num_seqs(self) -> int:
-        return len(self.seq_lens_host)
-
-    @property
-    def num_tokens(self) -> int:
-        return int(self.cu_seqlens_q_host[-1])
-
-    @property
-    def q_lens_host(self) -> np.ndarray:
-        return np.diff(self.cu_seqlens_q_host)
-
-    @property
-    def max_q_len(self) -> int:
-        return int(self.q_lens_host.max())
-
-    def live_blocks(self) -> np.ndarray:
-        """(sequence, block id) rows of every table entry this forward reads or writes."""
-        table = self.block_tables_host
-        seqs, idx = _live(self.live_from_host, self.seq_lens_host, self.block_size, table.shape[1])
-        return np.stack([seqs, table[seqs, idx]], axis=1)
-
-
-def _repeat(values: np.ndarray) -> tuple[np.ndarray, tuple[int, int] | None]:
-    """`values`' stable sort order, and the positions of two equal values (None: all differ)."""
-    order = np.argsort(values, kind="stable")
-    dup = np.nonzero(np.diff(values[order]) == 0)[0]
-    return order, (int(order[dup[0]]), int(order[dup[0] + 1])) if len(dup) else None
-
-
-def _live(first: np.ndarray, seq: np.ndarray, block_size: int,
-          columns: int) -> tuple[np.ndarray, np.ndarray]:
-    """(sequence, table index) of the entries first[s] .. ceil(seq[s] / block_size) - 1."""
-    idx = np.arange(columns)[None, :]
-    return np.nonzero((idx >= first[:, None]) & (idx < (-(-seq // block_size))[:, None]))
-
-
-def build_attention_metadata(
-    q_lens: Sequence[int],
-    context_lens: Sequence[int],
-    block_tables: Sequence[Sequence[int]],
-    block_size: int,
-    num_blocks: int,
-    window: int | None = None,
-) -> AttentionMetadata:
-    """Validate one forward's attention geometry and pack it; raises ValueError naming the field.
-    With a `window`, a table's entries before each sequence's first visible key are not read."""
-    return _attention_metadata(q_lens, context_lens, block_tables, block_size, num_blocks,
-                               window)[0]
-
-
-def _attention_metadata(q_lens, context_lens, block_tables, block_size, num_blocks, window,
-                        field="block_tables"):
-    """(metadata, shared reads [(writer, reader, table index)]); see `_shared_reads`. `field`
-    names the tables in errors."""
-    block_size = as_int(block_size, "block_size", low=1, high=MAX_INT32)
-    num_blocks = as_int(num_blocks, "num_blocks", low=1, high=MAX_INT32)
-    if window is not None:
-        window = as_int(window, "window", low=1)
-    q = as_ints(q_lens, "q_lens", low=1, high=MAX_INT32)
-    if len(q) == 0:
-        raise ValueError("q_lens: a forward needs at least one sequence")
-    ctx = as_ints(context_lens, "context_lens", low=0, high=MAX_INT32)
-    if len(ctx) != len(q) or len(block_tables) != len(q):
-        raise ValueError(
-            f"context_lens/block_tables: expected {len(q)} entries (one per sequence), "
-            f"got {len(ctx)} and {len(block_tables)}")
-    seq = ctx + q
-    if seq.max() > MAX_INT32:
-        raise ValueError("seq_lens: a sequence longer than 2**31 - 1 tokens does not fit int32")
-    rows = [as_ints(row, f"{field}[{s}]", low=0, high=num_blocks - 1)
-            for s, row in enumerate(block_tables)]
-    first = key_start(ctx, window) // block_size
-    table = np.zeros((len(q), max(max(len(r) for r in rows), 1)), dtype=np.int32)
-    for s, row in enumerate(rows):
-        needed = -(-int(seq[s]) // block_size)
-        if len(row) < needed:
-            raise ValueError(
-                f"{field}: sequence {s} holds {seq[s]} tokens and needs {needed} blocks "
-                f"of {block_size}, but its table has {len(row)}")
-        live = row[first[s]:needed]
-        if len(np.unique(live)) != len(live):
-            raise ValueError(f"{field}: sequence {s} names a block twice among the blocks "
-                             f"{first[s]} .. {needed - 1} it reads: {live.tolist()}")
-        table[s, :needed] = row[:needed]
-    cu = np.concatenate([[0], np.cumsum(q)])
-    if cu[-1] > MAX_INT32:
-        raise ValueError("cu_seqlens_q: more than 2**31 - 1 new tokens in one forward")
-    shared = _shared_reads(table, first, ctx, seq, block_size, field)
-    host = {
-        "block_tables_host": frozen(table),
-        "seq_lens_host": frozen(seq.astype(np.int32)),
-        "context_lens_host": frozen(ctx.astype(np.int32)),
-        "cu_seqlens_q_host": frozen(cu.astype(np.int32)),
-    }
-    meta = AttentionMetadata(
-        block_size=block_size,
-        num_blocks=num_blocks,
-        window=window,
-        live_from_host=frozen(first.astype(np.int32)),
-        block_tables=device_array(host["block_tables_host"]),
-        seq_lens=device_array(host["seq_lens_host"]),
-        context_lens=device_array(host["context_lens_host"]),
-        cu_seqlens_q=device_array(host["cu_seqlens_q_host"]),
-        lengths=Lengths.of(cu, seq),
-        **host,
-    )
-    return meta, shared
-
-
-def _shared_reads(table: np.ndarray, first: np.ndarray, ctx: np.ndarray, seq: np.ndarray,
-                  block_size: int, field: str) -> np.ndarray:
-    """Blocks one sequence writes and another reads as its cached prefix, as rows
-    (writer, reader, table index). The scheduler may hand out as a hit a block that another
-    request fills in this very forward (it registers a block's hash when it allocates it):
-    that is legal when both tables hold it at the same index (and, checked by the caller, the
-    same tokens), since every layer writes its K/V before it reads. Two sequences writing one
-    block, or a block read at another position than it is written, is refused. Only entries
-    from `first` on are read."""
-    w_seq, w_idx = _live(ctx // block_size, seq, block_size, table.shape[1])
-    written = table[w_seq, w_idx]
-    order, twice = _repeat(written)
-    if twice:
-        a, b = twice
-        raise ValueError(f"{field}: sequences {w_seq[a]} and {w_seq[b]} both write block "
-                         f"{written[a]} in one forward")
-    r_seq, r_idx = _live(first, ctx, block_size, table.shape[1])
-    read = table[r_seq, r_idx]
-    hit = np.nonzero(np.isin(read, written))[0]
-    pos = order[np.searchsorted(written[order], read[hit])]
-    writer, reader, at = w_seq[pos], r_seq[hit], r_idx[hit]
-    other = writer != reader
-    if (w_idx[pos][other] != at[other]).any():
-        k = np.nonzero(other & (w_idx[pos] != at))[0][0]
-        raise ValueError(f"{field}: sequence {reader[k]} reads block {read[hit][k]} as its "
-                         f"cached prefix while sequence {writer[k]} writes it at another position")
-    return np.stack([writer[other], reader[other], at[other]], axis=1)
 
 
 @dataclass(frozen=True)
@@ -350,8 +171,8 @@ def build_batch_metadata(
     groups = []
     for g, window in enumerate(windows):
         field = "block_tables" if len(windows) == 1 else f"block_tables[group {g}]"
-        attn, shared = _attention_metadata(q_lens, context_lens, [b[g] for b in block_ids],
-                                           block_size, num_blocks, window, field)
+        attn, shared = attention_metadata_and_shared_reads(
+            q_lens, context_lens, [b[g] for b in block_ids], block_size, num_blocks, window, field)
         _check_shared_reads(requests, attn, shared)
         groups.append(attn)
     _check_groups_apart(groups)
@@ -396,7 +217,7 @@ def _check_groups_apart(groups: Sequence[AttentionMetadata]) -> None:
     live = [np.unique(a.live_blocks()[:, 1]) for a in groups]
     blocks = np.concatenate(live)
     owner = np.repeat(np.arange(len(live)), [len(b) for b in live])
-    twice = _repeat(blocks)[1]
+    twice = repeat_order(blocks)[1]
     if twice:
         a, b = twice
         raise ValueError(f"block_ids: block {blocks[a]} is read or written by KV-cache groups "

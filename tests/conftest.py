@@ -177,7 +177,7 @@ class PagedCase:
     def forward(self, dispatcher, geometry, k_cache=None, v_cache=None, sinks=None) -> mx.array:
         """This case as one forward through `dispatcher` (route, entry check, run), on its
         caches or the given ones."""
-        from paged_prefix.metadata import build_attention_metadata
+        from paged_prefix.attention_metadata import build_attention_metadata
 
         q_lens = np.diff(self.cu_seqlens_q)
         meta = build_attention_metadata(q_lens.tolist(), (self.seq_lens - q_lens).tolist(),

@@ -19,8 +19,8 @@ from jit_kernels.geometry import Geometry
 from jit_kernels.interface import PagedAttentionKernel, Plan
 from paged_prefix import route as route_module
 from paged_prefix import rules
+from paged_prefix.attention_metadata import build_attention_metadata
 from paged_prefix.dispatch import ENV_VAR, Dispatcher
-from paged_prefix.metadata import build_attention_metadata
 from paged_prefix.route import Source
 from paged_prefix.rules import SdpaPick
 from tests.conftest import HAS_CUDA, HAS_METAL, PagedCase, assert_close

@@ -423,7 +423,7 @@ def test_dispatcher_mixes_sdpa_and_the_kernel(backend, monkeypatch):
     only (one over its new rows, one over the gather kernel's pages), the kernel runs the
     decode rows (split KV), and the batch matches the oracle, first call and later layers'."""
     from paged_prefix import dispatch
-    from paged_prefix.metadata import build_attention_metadata
+    from paged_prefix.attention_metadata import build_attention_metadata
     from paged_prefix.route import Source
 
     monkeypatch.setattr(rules, "CUDA_SDPA_MIN_Q", 32)  # CUDA's length rule at a test's size

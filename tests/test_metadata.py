@@ -5,7 +5,8 @@ import numpy as np
 import pytest
 
 from jit_kernels.arrays import device_array
-from paged_prefix.metadata import ScheduledRequest, build_attention_metadata, build_batch_metadata
+from paged_prefix.attention_metadata import build_attention_metadata
+from paged_prefix.metadata import ScheduledRequest, build_batch_metadata
 from paged_prefix.validate import index_dtype
 
 BS = 16

@@ -320,7 +320,7 @@ def test_canary_catches_a_broken_metal_kernel(bug, strict, monkeypatch, caplog):
     the variant with the reference on first use, logs one warning naming the variant and falls
     back to the reference (or raises when strict), before any forward uses the kernel."""
     from paged_prefix import dispatch
-    from paged_prefix.metadata import build_attention_metadata
+    from paged_prefix.attention_metadata import build_attention_metadata
 
     backend = metal_backend(mutated(PLANTED_BUGS[bug][0]))
     d = dispatch.Dispatcher("auto", backends={"metal": backend}, strict=strict)
@@ -345,7 +345,7 @@ def test_canary_catches_a_broken_metal_kernel(bug, strict, monkeypatch, caplog):
 def test_dispatcher_runs_the_checked_metal_kernel(monkeypatch):
     """Unbroken, the same variant passes its first-use check and `auto` engages the kernel."""
     from paged_prefix import dispatch
-    from paged_prefix.metadata import build_attention_metadata
+    from paged_prefix.attention_metadata import build_attention_metadata
 
     d = dispatch.Dispatcher("auto", backends={"metal": metal_backend(metal_kernel)}, strict=True)
     case = PagedCase([9, 1], [40, 70], 8, 2, 64, 16, mx.float16, seed=4)

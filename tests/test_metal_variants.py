@@ -18,7 +18,7 @@ from jit_kernels import metal_paged_attention as metal_attention
 from jit_kernels import plan as tile_plan
 from jit_kernels.geometry import BLOCK_SIZES, Geometry
 from paged_prefix import dispatch
-from paged_prefix.metadata import build_attention_metadata
+from paged_prefix.attention_metadata import build_attention_metadata
 from tests.conftest import PagedCase, assert_close
 from tests.metal_emu import KernelError, metal_kernel
 from tests.test_metal_emulated import DTYPES, FEATURE_SETS, check, mutated

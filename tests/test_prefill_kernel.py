@@ -21,8 +21,8 @@ from jit_kernels import hopper_prefill_attention as prefill_attention
 from jit_kernels import plan as tile_plan
 from jit_kernels.geometry import Geometry
 from paged_prefix import rules
+from paged_prefix.attention_metadata import build_attention_metadata
 from paged_prefix.dispatch import Dispatcher
-from paged_prefix.metadata import build_attention_metadata
 from paged_prefix.route import Source
 from tests.conftest import HAS_WGMMA, CubinStandIns, PagedCase, assert_close, plan_of
 from tests.test_dispatch import FakeAttention, FakeGather

@@ -5,7 +5,7 @@ prefix caching off — under chunking, preemption (tight block pools) and aborts
 import numpy as np
 import pytest
 
-from paged_prefix import metadata, route
+from paged_prefix import attention_metadata, route
 from paged_prefix.engine import Engine, EngineConfig
 
 BS = 16
@@ -97,8 +97,8 @@ def test_simultaneous_arrivals_and_chunked_prefill_match_cache_off(budget, monke
                **shared_prompts(2, 40, 50, seed=2, tag="b")}
     assert len(prompts) == 5
     same_forward_hits = []
-    shared_reads = metadata._shared_reads
-    monkeypatch.setattr(metadata, "_shared_reads",
+    shared_reads = attention_metadata._shared_reads
+    monkeypatch.setattr(attention_metadata, "_shared_reads",
                         lambda *a: same_forward_hits.append(shared_reads(*a)) or
                         same_forward_hits[-1])
     kw = dict(arrive_after_first=False, max_num_batched_tokens=budget)

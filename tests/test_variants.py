@@ -17,8 +17,8 @@ from jit_kernels import GatheredSdpa, KernelBackend
 from jit_kernels.arrays import as_pages
 from jit_kernels.geometry import Geometry
 from jit_kernels.interface import PagedAttentionKernel, Plan
+from paged_prefix.attention_metadata import build_attention_metadata
 from paged_prefix.dispatch import Dispatcher
-from paged_prefix.metadata import build_attention_metadata
 from paged_prefix.route import Source
 from tests.conftest import PagedCase, assert_close
 from tests.test_dispatch import FakeGather, never
