@@ -140,6 +140,12 @@ def choose_block_m(num_tokens: int, group: int, num_kv_heads: int) -> int:
     return 128 if tiles >= MIN_TILES_FOR_BLOCK_M_128 else 64
 
 
+def splits_kv(block_m: int) -> bool:
+    """Whether a plan of `block_m`-row tiles may split KV: 128-row plans are chosen only when
+    they fill the GPU, so they never split."""
+    return block_m != 128
+
+
 class LaunchOrder:
     """Which arrival counters a plan's next launch takes, and which launch it must follow.
 
@@ -201,7 +207,7 @@ class CudaPagedAttention(PagedAttentionKernel):
         # planning splits every 64-row tile into single kv tiles, so the merge runs too.
         plannings = super().canary_plannings(geometry)
         return plannings + tuple({**p, "split_kv_tiles": 1} for p in plannings
-                                 if p["block_m"] != 128)
+                                 if splits_kv(p["block_m"]))
 
     def unsupported_reason(self, geometry: Geometry) -> str | None:
         return scale_reason(geometry.scale) or super().unsupported_reason(geometry)
@@ -220,12 +226,11 @@ class CudaPagedAttention(PagedAttentionKernel):
         elif isinstance(split_kv_tiles, bool) or not isinstance(split_kv_tiles, numbers.Integral) \
                 or split_kv_tiles < 1:
             raise ValueError(f"split_kv_tiles: a positive int, not {split_kv_tiles!r}")
-        # 128-row plans are chosen only when they fill the GPU: never split them
         tiles = tile_plan.build_tile_plan(lengths.cu_seqlens_q, lengths.seq_lens, g.group,
                                           g.num_kv_heads, block_m, BLOCK_N, NUM_SMS,
                                           ctas_per_sm=SPLIT_ITEMS_PER_SM,
                                           min_chunk=int(split_kv_tiles),
-                                          min_items=0 if block_m == 128 else None,
+                                          min_items=None if splits_kv(block_m) else 0,
                                           seqs=np.asarray(seqs), window=g.window)
         sets = COUNTER_SETS if tiles.num_slots else 1  # unsplit: counters never read
         counters = tuple(mx.zeros((max(2 * tiles.num_tiles, MIN_WORDS),), dtype=mx.int32)
