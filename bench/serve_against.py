@@ -61,9 +61,9 @@ def run_server(kind: str, model: str, args: argparse.Namespace) -> dict:
         vllm = isinstance(server, VllmServer)
         blas = blas_line(server.log_path) if vllm else server.blas_line()
         print(f"[{kind}] up at {server.url}; {blas}", flush=True)
+        results = {"blas": blas}
         # mlx-lm answers to its folder's path (another name it would try to download)
         name = server.served_name if vllm else model
-        results = {}
         for phase, (seed_offset, concurrency) in PHASES.items():
             slug = phase.replace(" ", "-")
             result_file = f"{kind}-{slug}.json"
@@ -111,8 +111,10 @@ def compare(model: str, args: argparse.Namespace) -> int:
     summary = {"model": model, "workload": workload_text(args), "seed": args.seed,
                "multi_turn": vars(turns), "results": results}
     (args.out / "summary.json").write_text(json.dumps(summary, indent=1))
+    on_cpu = all("OpenBLAS" in results[s]["blas"] for s in SERVERS)
+    where = "both on OpenBLAS" if on_cpu else "on the GPU"
     title = (f"{Path(model).name}: paged_prefix (vllm serve, prefix caching on) vs mlx_lm.server, "
-             f"both on OpenBLAS\nprefix_repetition {workload_text(args)}; "
+             f"{where}\nprefix_repetition {workload_text(args)}; "
              f"multi-turn {turns.conversations} conversations x {turns.turns} turns, "
              f"{turns.output_len} out")
     serve_plot.against({w: {s: results[s][w] for s in SERVERS} for w in (*PHASES, "multi-turn")},

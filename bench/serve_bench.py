@@ -26,7 +26,7 @@ import sys
 import time
 from pathlib import Path
 
-from bench import multi_turn, serve_plot
+from bench import multi_turn, serve_plot, ttft_breakdown
 from bench.serve_progress import run_client, server_log_status
 from bench.vllm_server import VLLM_CLI, VllmServer, metric_total
 from paged_prefix.convert_smollm2 import models_root, smollm2_folder
@@ -43,13 +43,13 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="mlx-lm folder (default: SmolLM2-135M, convert_smollm2's default variant)")
     p.add_argument("--random-weights", default=None,
                    choices=("llama-1b", "llama-8b", "gemma3-1b", "gpt-oss-20b",
-                            "qwen3-next-small"),
+                            "qwen3-next-small", "qwen3-next-2b"),
                    help="instead of --model: this built-in GPU-sized config with seeded random "
                         "bf16 weights and SmolLM2's tokenizer (greedy outputs are arbitrary but "
                         "still compared off vs on); gemma3-1b and gpt-oss-20b have sliding "
                         "windows, gpt-oss-20b sinks and experts (~40 GB of weights); "
                         "qwen3-next-small is a CPU-sized hybrid model (recurrent state in "
-                        "vLLM's blocks: docs/hybrid.md)")
+                        "vLLM's blocks: docs/hybrid.md), qwen3-next-2b a GPU-sized one")
     p.add_argument("--tokenizer", type=Path, default=None,
                    help="tokenizer folder for --random-weights (default: SmolLM2's)")
     p.add_argument("--num-prefixes", type=int, default=4)
@@ -76,6 +76,9 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="after the prefix-repetition client, also bench/multi_turn.py's "
                         "conversations against each server (TTFT per turn; hits and prefill "
                         "tokens counted over them alone)")
+    p.add_argument("--breakdown", action="store_true",
+                   help="serve with the runner's step log (VLLM_LOGGING_LEVEL=DEBUG) and split "
+                        "each setting's TTFT into its parts (bench/ttft_breakdown.py)")
     p.add_argument("--max-model-len", type=int, default=1024)
     p.add_argument("--kv-cache-memory-bytes", type=int, default=512 << 20)
     p.add_argument("--out", type=Path, default=Path("results/serve_bench"))
@@ -146,7 +149,8 @@ def run_setting(setting: str, model: str, args: argparse.Namespace) -> dict:
     label = f"caching {setting}"
     server_log = args.out / f"server-{setting}.log"
     print(f"[{label}] starting vllm serve; log {server_log}", flush=True)
-    with VllmServer(model, server_args, server_log) as server:
+    env = {"VLLM_LOGGING_LEVEL": "DEBUG"} if args.breakdown else None
+    with VllmServer(model, server_args, server_log, env=env) as server:
         print(f"[{label}] server up at {server.url}; {blas_line(server_log)}", flush=True)
         client = client_command(server.url, server.served_name, model, args, args.seed,
                                 args.max_concurrency, result_file)
@@ -159,7 +163,11 @@ def run_setting(setting: str, model: str, args: argparse.Namespace) -> dict:
             turns = multi_turn.run(server.url, server.served_name,
                                    multi_turn.Workload(seed=args.seed))
             turns.update(cache_counts(server.metrics(), metrics))
-    result = client_metrics(json.loads((args.out / result_file).read_text()))
+    detail = json.loads((args.out / result_file).read_text())
+    result = client_metrics(detail)
+    if args.breakdown:
+        result["ttft_breakdown"] = ttft_breakdown.breakdown(
+            server_log.read_text(errors="replace"), detail)
     return {**result, **cache_counts(metrics), **({"multi_turn": turns} if turns else {})}
 
 
@@ -265,6 +273,9 @@ def main(argv=None) -> int:
           f"mean {off['ttft_mean_ms'] / on['ttft_mean_ms']:.2f}x")
     if args.multi_turn:
         print(multi_turn_table(off["multi_turn"], on["multi_turn"]))
+    if args.breakdown:
+        print(ttft_breakdown.table({f"caching {s}": results[s]["ttft_breakdown"]
+                                    for s in SETTINGS}))
     print(f"outputs identical (caching off vs on): {same} of {len(texts['off'])} requests")
     if args.random_weights and not identical:
         # the first token of each request is its TTFT's; later ones may flip on near ties

@@ -25,9 +25,10 @@ from pathlib import Path
 VLLM_CLI = (sys.executable, "-m", "vllm.entrypoints.cli.main")
 
 
-def child_env() -> dict[str, str]:
-    """This process's environment for a vLLM child process, less VLLM_TARGET_DEVICE."""
-    return {k: v for k, v in os.environ.items() if k != "VLLM_TARGET_DEVICE"}
+def child_env(**extra: str) -> dict[str, str]:
+    """This process's environment for a vLLM child process, less VLLM_TARGET_DEVICE, plus
+    `extra`."""
+    return {**{k: v for k, v in os.environ.items() if k != "VLLM_TARGET_DEVICE"}, **extra}
 
 
 def free_port() -> int:
@@ -38,8 +39,11 @@ def free_port() -> int:
 
 class VllmServer:
     def __init__(self, model: str | Path, args: list[str], log_path: Path,
-                 served_name: str = "smollm2", start_timeout: float = 600.0):
+                 served_name: str = "smollm2", start_timeout: float = 600.0,
+                 env: dict[str, str] | None = None):
+        """`env`: variables set for the server on top of this process's environment."""
         self.model, self.args, self.log_path = str(model), list(args), Path(log_path)
+        self.env = dict(env or {})
         self.served_name = served_name
         self.start_timeout = start_timeout
         self.port = free_port()
@@ -55,7 +59,7 @@ class VllmServer:
              # a grace period lets the engine process exit by itself on SIGINT; with vLLM's
              # default of 0 it is killed at once and the API server logs EngineDeadError
              "--shutdown-timeout", "10", *self.args],
-            stdout=log, stderr=subprocess.STDOUT, env=child_env())
+            stdout=log, stderr=subprocess.STDOUT, env=child_env(**self.env))
         log.close()  # the child holds its own descriptor
         try:
             self._wait_ready()

@@ -1,7 +1,8 @@
 """Page gather: copy the pages of a batch into contiguous, head-major K/V in one launch.
 
     [(k, v), ...] = gather.launch(k_cache, v_cache, block_tables, plan)   # plan_gather(...) once
-    k, v: [1, Hkv, L_i, D] contiguous, for sequence plan.seqs[i]
+    k, v: [1, Hkv, L_i, D] contiguous, for sequence plan.seqs[i]: its keys from its first
+          copied page on (page 0, or the page of a window's first visible key)
 
 The caches may come in any dtype that holds the pages' bytes (the 4-byte words a
 `PagedKVCache` stores, or [num_blocks, BS, Hkv, D] of the plan's dtype): the kernel copies
@@ -28,7 +29,8 @@ from .geometry import Geometry, dtype_name
 
 THREADS = 256
 UNROLL = 4  # 16-byte chunks each thread loads before it stores any
-PAGE_COLS = ("SEQ", "PAGE", "SEQ_LEN", "OUT_ROW")  # OUT_ROW: first [D] row of the sequence's output
+# FIRST_PAGE: the sequence's first page copied; OUT_ROW: the first [D] row of its output
+PAGE_COLS = ("SEQ", "PAGE", "SEQ_LEN", "FIRST_PAGE", "OUT_ROW")
 
 # Each backend's kernel: kernels/page_gather.cu or .metal, which name the launch's indices and
 # take the body of kernels/page_gather.inc.
@@ -45,6 +47,7 @@ class GatherPlan:
 
     seqs: tuple[int, ...]  # batch indices of the gathered sequences
     seq_lens: tuple[int, ...]
+    first_pages: tuple[int, ...]  # per sequence its first page copied
     offsets: tuple[int, ...]  # element offsets into k_out / v_out, len(seqs) + 1
     pages: mx.array  # int32 [num_pages, 4]
     dtype: mx.Dtype
@@ -55,26 +58,37 @@ class GatherPlan:
 
 
 def plan_gather(seq_lens: np.ndarray, seqs: list[int], block_size: int, num_kv_heads: int,
-                head_dim: int, dtype: mx.Dtype) -> GatherPlan:
-    lens = np.asarray(seq_lens, dtype=np.int64)[np.asarray(seqs, dtype=np.int64)]
-    rows = np.concatenate([[0], np.cumsum(num_kv_heads * lens)])
+                head_dim: int, dtype: mx.Dtype, key_starts: np.ndarray | None = None) -> GatherPlan:
+    """`key_starts`: per batch sequence its first key needed (a window's); its page is the
+    first copied. None copies every page."""
+    picked = np.asarray(seqs, dtype=np.int64)
+    lens = np.asarray(seq_lens, dtype=np.int64)[picked]
+    firsts = np.zeros_like(lens) if key_starts is None else \
+        np.asarray(key_starts, dtype=np.int64)[picked] // block_size
+    if ((firsts < 0) | (firsts * block_size >= lens)).any():
+        raise ValueError("key_starts: each must lie inside its sequence")
+    out_lens = lens - firsts * block_size
+    rows = np.concatenate([[0], np.cumsum(num_kv_heads * out_lens)])
     if rows[-1] >= 2**31:
         raise ValueError("seq_lens: the gathered K/V exceed 2**31 rows of head_dim")
-    pages_per_seq = -(-lens // block_size)
-    first = np.repeat(np.cumsum(pages_per_seq) - pages_per_seq, pages_per_seq)
-    table = np.stack([np.repeat(np.asarray(seqs, dtype=np.int64), pages_per_seq),
-                      np.arange(int(pages_per_seq.sum())) - first,
+    pages_per_seq = -(-lens // block_size) - firsts
+    before = np.repeat(np.cumsum(pages_per_seq) - pages_per_seq, pages_per_seq)
+    table = np.stack([np.repeat(picked, pages_per_seq),
+                      np.arange(int(pages_per_seq.sum())) - before +
+                      np.repeat(firsts, pages_per_seq),
                       np.repeat(lens, pages_per_seq),
+                      np.repeat(firsts, pages_per_seq),
                       np.repeat(rows[:-1], pages_per_seq)], axis=1)
     total = int(rows[-1]) * head_dim
     # one sequence gets its [1, Hkv, L, D] shape straight from the kernel: no reshape op
-    out_shape = (1, num_kv_heads, int(lens[0]), head_dim) if len(seqs) == 1 else (total,)
+    out_shape = (1, num_kv_heads, int(out_lens[0]), head_dim) if len(seqs) == 1 else (total,)
     launch = dict(
         template=[("T", dtype), ("BS", block_size), ("HKV", num_kv_heads), ("D", head_dim),
                   ("UNROLL", UNROLL)],
         grid=(len(table) * THREADS, 1, 1), threadgroup=(THREADS, 1, 1),
         output_shapes=[out_shape, out_shape], output_dtypes=[dtype, dtype])
     return GatherPlan(seqs=tuple(int(s) for s in seqs), seq_lens=tuple(int(n) for n in lens),
+                      first_pages=tuple(int(f) for f in firsts),
                       offsets=tuple(int(r) * head_dim for r in rows),
                       pages=device_array(table.astype(np.int32)), dtype=dtype,
                       block_size=block_size, num_kv_heads=num_kv_heads, head_dim=head_dim,
@@ -84,7 +98,7 @@ def plan_gather(seq_lens: np.ndarray, seqs: list[int], block_size: int, num_kv_h
 class PageGather:
     """The gather kernel of one backend ("cuda" or "metal"), built once per (dtype, block size)."""
 
-    features: tuple[str, ...] = ()  # it copies whole sequences: no window's first page
+    features: tuple[str, ...] = ("window",)  # it copies from a window's first page on
 
     def __init__(self, backend: str, kernel_factory):
         self.backend = backend

@@ -10,7 +10,9 @@
 New rows and rows read in place reach SDPA as [L, Hkv, D] seen heads first, gathered pages as
 [Hkv, L, D]: MLX builds a cuDNN graph per layout and shape (the routing rules count them).
 Every variant runs here: a windowed sequence attends over its keys from `key_start` on only
-(never the pages before it), with the window's mask where it cuts inside them.
+(never the pages before it), with the window's mask where it cuts inside them; one with more new
+queries than a chunk attends chunk by chunk, each chunk over its own window's keys (`spans`).
+The masks are built when the plan is, once per forward and shape, and every layer reads them.
 """
 
 from __future__ import annotations
@@ -26,11 +28,67 @@ from .geometry import Geometry, Lengths
 from .interface import Plan
 from .page_gather import GatherPlan, PageGather, plan_gather
 
+# A windowed sequence attends in chunks of max(window, WINDOW_CHUNK_Q) queries, each over the
+# keys its chunk sees: the cost follows the window, not the prompt, where one masked call over
+# the whole prompt grows with its square (docs/results.md, "End to end: Gemma 3").
+WINDOW_CHUNK_Q = 512
 
-def _attend(q: mx.array, ks: mx.array, vs: mx.array, g: Geometry, sinks) -> mx.array:
+
+@dataclass(frozen=True)
+class Span:
+    """One SDPA call of a sequence: its queries q0:q1 over its keys k0:k1 (indices into the keys
+    its source gives), with SDPA's mask for that shape."""
+
+    q0: int
+    q1: int
+    k0: int
+    k1: int
+    mask: mx.array | str | None
+
+
+def spans(q_len: int, k_len: int, window: int | None, chunk: int,
+          masks: dict) -> tuple[Span, ...]:
+    """The calls of one sequence: q_len queries at the last positions of its k_len keys, which
+    start at its first visible key. `masks`: the masks built so far, by (queries, keys) shape,
+    shared by every sequence of a plan (the chunks inside a prompt share one)."""
+    def span(q0: int, q1: int) -> Span:
+        k0 = 0 if window is None else max(0, k_len - q_len + q0 - window + 1)
+        k1 = k_len - q_len + q1
+        shape = (q1 - q0, k1 - k0)
+        if shape not in masks:
+            masks[shape] = reference.window_mask(*shape, window)
+        return Span(q0, q1, k0, k1, masks[shape])
+    if window is None or k_len <= window or q_len <= chunk:
+        return (span(0, q_len),)
+    return tuple(span(a, min(a + chunk, q_len)) for a in range(0, q_len, chunk))
+
+
+def plan_spans(lengths: Lengths, geometry: Geometry, seqs: tuple[int, ...],
+               query_chunk: int | None, key_starts=None) -> tuple[tuple[Span, ...], ...]:
+    """Per planned sequence its calls; `query_chunk` (a plan argument) overrides the chunk.
+    `key_starts`: per planned sequence the first key its source gives (default: its first
+    visible key); keys before the first visible one are masked out."""
+    window = geometry.window
+    if query_chunk is None:
+        query_chunk = max(window or 0, WINDOW_CHUNK_Q)
+    elif isinstance(query_chunk, bool) or not isinstance(query_chunk, int) or query_chunk < 1:
+        raise ValueError(f"query_chunk: a positive int, not {query_chunk!r}")
+    if key_starts is None:
+        key_starts = lengths.key_starts(window)[list(seqs)]
+    masks: dict = {}
+    return tuple(spans(int(lengths.q_lens[s]), int(lengths.seq_lens[s] - start), window,
+                       query_chunk, masks) for s, start in zip(seqs, key_starts))
+
+
+def _attend(q: mx.array, ks: mx.array, vs: mx.array, g: Geometry, sinks,
+            calls: tuple[Span, ...]) -> mx.array:
     """q [L, H, D] at the last positions of ks, vs [1, Hkv, Lk, D] -> [L, H, D]."""
-    return reference.tokens_first(reference.sdpa(reference.heads_first(q), ks, vs, g.scale,
-                                                 g.window, g.softcap, sinks))
+    if len(calls) == 1:  # no slices: each is an op a layer
+        return reference.tokens_first(reference.masked_sdpa(
+            reference.heads_first(q), ks, vs, g.scale, calls[0].mask, g.softcap, sinks))
+    return mx.concatenate([reference.tokens_first(reference.masked_sdpa(
+        reference.heads_first(q[c.q0:c.q1]), ks[:, :, c.k0:c.k1], vs[:, :, c.k0:c.k1], g.scale,
+        c.mask, g.softcap, sinks)) for c in calls], axis=0)
 
 
 def _assemble(out: mx.array | None, rows: list[mx.array], plan: Plan) -> mx.array:
@@ -58,6 +116,7 @@ class ContiguousPlan(Plan):
     # per planned sequence: its visible cache rows read in place, or None: its own new rows
     sources: tuple[slice | None, ...]
     cache_rows: int  # the cache rows the reads in place need
+    calls: tuple[tuple[Span, ...], ...]  # per planned sequence (`spans`)
 
 
 class _OnMlx:
@@ -78,10 +137,11 @@ class ContiguousSdpa(_OnMlx):
     name = "sdpa"
 
     def plan(self, lengths: Lengths, geometry: Geometry, block_tables: mx.array, seqs=None,
-             first_blocks: dict[int, int] | None = None) -> ContiguousPlan:
+             first_blocks: dict[int, int] | None = None,
+             query_chunk: int | None = None) -> ContiguousPlan:
         """`first_blocks`: for each planned sequence that sees cached keys, the block holding its
         first visible key (`key_start`), its visible pages one run of consecutive blocks; the
-        others must see no cached key."""
+        others must see no cached key. `query_chunk`: see `plan_spans`."""
         seqs, first_blocks = lengths.seqs(seqs), first_blocks or {}
         bs, lens = geometry.block_size, lengths.seq_lens
         starts = lengths.key_starts(geometry.window)
@@ -96,7 +156,8 @@ class ContiguousSdpa(_OnMlx):
             return slice(first, first + int(lens[s] - starts[s]))
         sources = tuple(rows(s) if s in first_blocks else None for s in seqs)
         cache_rows = max((r.stop for r in sources if r is not None), default=0)
-        return ContiguousPlan(geometry, lengths, block_tables, seqs, sources, cache_rows)
+        return ContiguousPlan(geometry, lengths, block_tables, seqs, sources, cache_rows,
+                              plan_spans(lengths, geometry, seqs, query_chunk))
 
     def check(self, q, k, v, k_cache, v_cache, plan: ContiguousPlan, sinks=None) -> None:
         super().check(q, k, v, k_cache, v_cache, plan, sinks)
@@ -110,7 +171,7 @@ class ContiguousSdpa(_OnMlx):
         g, cu = plan.geometry, plan.lengths.cu_seqlens_q
         rows = None  # the caches' token rows, viewed once per call
         outs = []
-        for s, source in zip(plan.seqs, plan.sources):
+        for s, source, calls in zip(plan.seqs, plan.sources, plan.calls):
             if source is None:  # in the cache's dtype, so every source gives the same numbers
                 if plan.whole and len(plan.seqs) == 1:
                     ks, vs = k, v
@@ -122,19 +183,21 @@ class ContiguousSdpa(_OnMlx):
                 rows = rows or (as_rows(k_cache, g), as_rows(v_cache, g))
                 ks, vs = rows[0][source], rows[1][source]
             outs.append(_attend(_q_rows(q, plan, s), reference.heads_first(ks),
-                                reference.heads_first(vs), g, sinks))
+                                reference.heads_first(vs), g, sinks, calls))
         return _assemble(out, outs, plan)
 
 
 @dataclass(frozen=True)
 class GatheredPlan(Plan):
     gather: GatherPlan
-    starts: tuple[int, ...]  # per planned sequence its first visible key (MLX's take only)
+    starts: tuple[int, ...]  # per planned sequence its first key gathered
+    calls: tuple[tuple[Span, ...], ...]  # per planned sequence (`spans`)
 
 
 class GatheredSdpa:
-    """`gather`: the backend's page-gather kernel; None copies with MLX's take, which runs
-    every variant (a windowed sequence's pages from its first visible key on)."""
+    """`gather`: the backend's page-gather kernel, which copies a windowed sequence's pages
+    from the one of its first visible key on (the keys before that key masked out); None
+    copies with MLX's take, from the first visible key itself."""
 
     def __init__(self, gather: PageGather | None = None):
         self.gather = gather
@@ -151,16 +214,19 @@ class GatheredSdpa:
         return () if self.gather is None else ({},)
 
     def plan(self, lengths: Lengths, geometry: Geometry, block_tables: mx.array,
-             seqs=None) -> GatheredPlan:
+             seqs=None, query_chunk: int | None = None) -> GatheredPlan:
+        """`query_chunk`: see `plan_spans`."""
         why_not = self.unsupported_reason(geometry)
         if why_not:
             raise ValueError(f"{self.name} cannot run this geometry: {why_not}")
         g, seqs = geometry, lengths.seqs(seqs)
+        visible = lengths.key_starts(g.window)
         gather = plan_gather(lengths.seq_lens, list(seqs), g.block_size, g.num_kv_heads,
-                             g.head_dim, g.dtype)
-        starts = lengths.key_starts(g.window)
-        return GatheredPlan(g, lengths, block_tables, seqs, gather,
-                            tuple(int(starts[s]) for s in seqs))
+                             g.head_dim, g.dtype, visible)
+        starts = tuple(f * g.block_size for f in gather.first_pages) if self.gather else \
+            tuple(int(visible[s]) for s in seqs)
+        return GatheredPlan(g, lengths, block_tables, seqs, gather, starts,
+                            plan_spans(lengths, g, seqs, query_chunk, starts))
 
     def check(self, q, k, v, k_cache, v_cache, plan: GatheredPlan, sinks=None) -> None:
         if self.gather is not None:  # first: the copy's own rule on the bytes it reads
@@ -180,8 +246,8 @@ class GatheredSdpa:
     def run(self, q, k, v, k_cache, v_cache, plan: GatheredPlan, out=None,
             sinks=None) -> mx.array:
         kv = self.gathered(k_cache, v_cache, plan)
-        outs = [_attend(_q_rows(q, plan, s), ks, vs, plan.geometry, sinks)
-                for s, (ks, vs) in zip(plan.seqs, kv)]
+        outs = [_attend(_q_rows(q, plan, s), ks, vs, plan.geometry, sinks, calls)
+                for s, (ks, vs), calls in zip(plan.seqs, kv, plan.calls)]
         return _assemble(out, outs, plan)
 
 

@@ -153,8 +153,7 @@ class Dispatcher:
 
     @staticmethod
     def _gatherer(backend: KernelBackend | None, g: Geometry) -> GatheredSdpa:
-        """The backend's gather kernel where it runs this variant, else MLX's take (a windowed
-        sequence's pages from its first visible key on)."""
+        """The backend's gather kernel where it runs this variant, else MLX's take."""
         if backend is None or backend.gathered.unsupported_reason(g) is not None:
             return _MLX_GATHER
         return backend.gathered

@@ -138,6 +138,17 @@ BUILTIN_CONFIGS: dict[str, dict] = {
         moe_intermediate_size=256, shared_expert_intermediate_size=512, norm_topk_prob=True,
         rms_norm_eps=1e-6, rope_theta=10000.0, max_position_embeddings=4096, vocab_size=512,
         tie_word_embeddings=False),
+    # GPU-sized Qwen3-Next shapes (its heads, head dims and expert widths; 16 layers, 32
+    # experts), for serving benchmarks of a hybrid model
+    "qwen3-next-2b": dict(
+        model_type="qwen3_next", hidden_size=2048, num_hidden_layers=16, intermediate_size=5120,
+        num_attention_heads=16, num_key_value_heads=2, head_dim=256, partial_rotary_factor=0.25,
+        linear_num_value_heads=32, linear_num_key_heads=16, linear_key_head_dim=128,
+        linear_value_head_dim=128, linear_conv_kernel_dim=4, full_attention_interval=4,
+        num_experts=32, num_experts_per_tok=8, decoder_sparse_step=1, mlp_only_layers=[],
+        moe_intermediate_size=512, shared_expert_intermediate_size=512, norm_topk_prob=True,
+        rms_norm_eps=1e-6, rope_theta=10000000.0, max_position_embeddings=32768,
+        vocab_size=151936, tie_word_embeddings=False),
     # Short conv at layers 0, 1 and 3, attention at 2 (LFM2's conv-conv-attention rhythm);
     # embeddings tied as in every LFM2. conv_dim is what vLLM sizes the conv state by.
     "lfm2-test": dict(

@@ -217,8 +217,8 @@ class VllmModelRunner:
                                            plan.req_ids)
         self.requests = with_sampled(self.requests, sampled)
         self._last_step_end = time.perf_counter()
-        logger.debug("step: sampled %d rows in %.1f ms", len(sample_ids),
-                     1e3 * (self._last_step_end - start))
+        logger.debug("step: sampled %d rows in %.1f ms, ending at t=%.4f s", len(sample_ids),
+                     1e3 * (self._last_step_end - start), self._last_step_end)
         return ModelRunnerOutput(
             req_ids=plan.req_ids,
             req_id_to_index={r: i for i, r in enumerate(plan.req_ids)},
@@ -229,7 +229,9 @@ class VllmModelRunner:
 
     def _log_forward(self, meta: BatchMetadata, start: float, built: float) -> None:
         """Where a step's time goes, for TTFT questions: its shape, the attention path (and
-        for SDPA where its K/V came from), the forward's time and the idle time before it."""
+        for SDPA where its K/V came from), the forward's time and the idle time before it; `t`
+        is `time.perf_counter()`, the clock vLLM's benchmark client stamps requests with
+        (bench/ttft_breakdown.py lines the two up)."""
         q = meta.groups[0].attn.q_lens_host
         d = self.runner.dispatcher
         sources = d.last.summary()
@@ -237,10 +239,10 @@ class VllmModelRunner:
         idle = "" if self._last_step_end is None else \
             f", {1e3 * (start - self._last_step_end):.1f} ms after the last step"
         logger.debug("step: %d sequences (%d of one token), %d tokens after %d already in the "
-                     "cache, %s; forward %.1f ms (%.1f ms of it building the graph)%s",
-                     len(q), int((q == 1).sum()), int(q.sum()),
+                     "cache, %s; forward %.1f ms (%.1f ms of it building the graph) from t=%.4f "
+                     "s%s", len(q), int((q == 1).sum()), int(q.sum()),
                      int(meta.groups[0].attn.context_lens_host.sum()), attention,
-                     1e3 * (time.perf_counter() - start), 1e3 * (built - start), idle)
+                     1e3 * (time.perf_counter() - start), 1e3 * (built - start), start, idle)
 
 
 def _sampling_row(state: RequestState) -> SamplingRow:

@@ -8,10 +8,13 @@ from .paged_attention import (
     gather_kv,
     heads_first,
     key_start,
+    masked_sdpa,
     paged_attention,
     sdpa,
     tokens_first,
+    window_mask,
 )
 
 __all__ = ["check_arrays", "check_lengths", "check_paged_inputs", "check_variant", "gather_kv",
-           "heads_first", "host_ints", "key_start", "paged_attention", "sdpa", "tokens_first"]
+           "heads_first", "host_ints", "key_start", "masked_sdpa", "paged_attention", "sdpa",
+           "tokens_first", "window_mask"]

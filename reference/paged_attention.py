@@ -26,9 +26,10 @@ def key_start(context_len, window: int | None):
     return np.maximum(context_len - window + 1, 0)
 
 
-def _window_mask(q_len: int, k_len: int, window: int | None) -> mx.array | str | None:
+def window_mask(q_len: int, k_len: int, window: int | None) -> mx.array | str | None:
     """SDPA's mask for q_len queries at the last positions of k_len keys: bottom-right causal,
-    and with a window W each query's W latest keys only (a boolean array once W cuts inside)."""
+    and with a window W each query's W latest keys only (a boolean array once W cuts inside).
+    Callers that attend many times over one shape build it once (`masked_sdpa`)."""
     if window is None or k_len <= window:
         return "causal" if q_len > 1 else None
     q_pos = mx.arange(k_len - q_len, k_len)[:, None]
@@ -62,12 +63,19 @@ def sdpa(q: mx.array, k: mx.array, v: mx.array, scale: float, window: int | None
     """Bottom-right causal attention of one sequence, with fp32 scores on every backend.
 
     q [1, H, Lq, D] at the last Lq positions of k, v [1, Hkv, Lk, D]; returns q's shape and
-    dtype. `window`, `softcap`, `sinks` as in `reference.contract`. MLX's CPU fallback computes
-    half-precision inputs with half-precision scores (up to ~1e-2 off for large scores), while
-    the GPU kernels accumulate scores in fp32: on the CPU half inputs are upcast so that the
-    reference means the same thing everywhere. The GPU path is untouched.
+    dtype. `window`, `softcap`, `sinks` as in `reference.contract`.
     """
-    mask = _window_mask(q.shape[2], k.shape[2], window)
+    return masked_sdpa(q, k, v, scale, window_mask(q.shape[2], k.shape[2], window), softcap,
+                       sinks)
+
+
+def masked_sdpa(q: mx.array, k: mx.array, v: mx.array, scale: float, mask,
+                softcap: float | None = None, sinks: mx.array | None = None) -> mx.array:
+    """`sdpa` with its mask given: `window_mask(Lq, Lk, window)` of these shapes. MLX's CPU
+    fallback computes half-precision inputs with half-precision scores (up to ~1e-2 off for
+    large scores), while the GPU kernels accumulate scores in fp32: on the CPU half inputs are
+    upcast so that the reference means the same thing everywhere. The GPU path is untouched.
+    """
     if softcap is not None:
         return _softcapped(q, k, v, scale, mask, softcap, sinks)
     extra = {} if sinks is None else {"sinks": sinks.astype(mx.float32)}

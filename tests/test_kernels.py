@@ -229,11 +229,15 @@ def test_big_cache_64bit_offsets(backend):
 @pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("dtype", [mx.float16, mx.bfloat16, mx.float32], ids=["fp16", "bf16", "fp32"])
 @pytest.mark.parametrize("block_size", [8, 16, 32])
-def test_page_gather_is_an_exact_copy(backend, dtype, block_size):
-    """The gather kernel's copy equals MLX's take bit for bit, and SDPA over it the oracle."""
+@pytest.mark.parametrize("window", [None, 40], ids=["full", "window"])
+def test_page_gather_is_an_exact_copy(backend, dtype, block_size, window):
+    """The gather kernel's copy equals MLX's take bit for bit, and SDPA over it the oracle;
+    with a window, from the page of each sequence's first visible key on (the pages before it
+    hold NaN and are never read)."""
     c = PagedCase([5, 1, 70, 9], [block_size - 1, 300, 0, 2 * block_size], 8, 2, 64, block_size,
-                  dtype, seed=block_size)
-    g = Geometry(8, 2, 64, block_size, dtype, 0.125)
+                  dtype, seed=block_size, window=window)
+    g = Geometry(8, 2, 64, block_size, dtype, 0.125, window=window)
+    firsts = c.lengths.key_starts(window) // block_size * block_size
     gathered = get_backend(backend).gathered
     cached = (0, 1, 3)  # the sequence with no cached prefix is not copied
     plan = gathered.plan(c.lengths, g, c.block_tables, cached)
@@ -241,16 +245,16 @@ def test_page_gather_is_an_exact_copy(backend, dtype, block_size):
     for k_cache, v_cache in ((c.k_cache, c.v_cache), stored):
         gathered.check(c.q, c.k_new, c.v_new, k_cache, v_cache, plan)
         for s, (k, v) in zip(cached, gathered.gathered(k_cache, v_cache, plan)):
-            assert k.shape == v.shape == (1, 2, int(c.seq_lens[s]), 64)
+            f = int(firsts[s])
+            assert k.shape == v.shape == (1, 2, int(c.seq_lens[s]) - f, 64)
             assert k.dtype == v.dtype == dtype
-            np.testing.assert_array_equal(np.array(k[0].view(mx.uint8)),
-                                          np.array(c.k_seqs[s].transpose(1, 0, 2).view(mx.uint8)))
-            np.testing.assert_array_equal(np.array(v[0].view(mx.uint8)),
-                                          np.array(c.v_seqs[s].transpose(1, 0, 2).view(mx.uint8)))
+            for got, want in ((k, c.k_seqs[s]), (v, c.v_seqs[s])):
+                np.testing.assert_array_equal(np.array(got[0].view(mx.uint8)),
+                                              np.array(want[f:].transpose(1, 0, 2).view(mx.uint8)))
         out = gathered.run(c.q, c.k_new, c.v_new, k_cache, v_cache, plan)
         rows = np.concatenate([np.arange(c.cu_seqlens_q[s], c.cu_seqlens_q[s + 1])
                                for s in cached])
-        assert_close(out[mx.array(rows)], c.oracle(0.125)[rows], dtype)
+        assert_close(out[mx.array(rows)], c.oracle(0.125, window)[rows], dtype)
     with pytest.raises(ValueError, match="whole pages"):
         gathered.check(c.q, c.k_new, c.v_new, c.k_cache[:, :1], c.v_cache[:, :1], plan)
 

@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 from mlx.utils import tree_flatten
 
+from paged_prefix import cpu_blas
 from paged_prefix.dispatch import Dispatcher
 from paged_prefix.kv_cache import PagedKVCache
 from paged_prefix.linear import PackedLinear, StackedLinear, pack_linears
@@ -65,14 +66,25 @@ def _layers(bias: bool, dtype=mx.float32) -> list[nn.Linear]:
 @pytest.mark.parametrize("bias", [False, True])
 @pytest.mark.parametrize("dtype", [mx.float32, mx.bfloat16])
 def test_stacked_linear_is_bit_identical_to_each_layer(bias, dtype):
+    """Bit for bit, except float32 on OpenBLAS: its AVX-512 kernels (chosen on such CPUs)
+    block a [160, 64] weight unlike a [96, 64] one, which moves results by an ulp or two; there
+    within 4 ulps of each output row's scale."""
     layers = _layers(bias, dtype)
     x = mx.random.normal((9, 64), key=mx.random.key(2)).astype(dtype)
     want = [np.array(layer(x).astype(mx.float32)) for layer in layers]
     stacked = StackedLinear()
+    blas = dtype == mx.float32 and mx.default_device() == mx.cpu and cpu_blas.status().active
     for _ in range(2):
         got = stacked(x, *layers)
         for g, w in zip(got, want):
-            np.testing.assert_array_equal(np.array(g.astype(mx.float32)), w)
+            g = np.array(g.astype(mx.float32))
+            if blas:
+                scale = np.abs(w).max(axis=1, keepdims=True)
+                np.testing.assert_array_less(np.abs(g - w),
+                                             np.broadcast_to(4 * np.finfo(np.float32).eps * scale,
+                                                             w.shape))
+            else:
+                np.testing.assert_array_equal(g, w)
 
 
 def test_stacked_weights_are_held_once():

@@ -43,10 +43,11 @@ def run_attention(case: PagedCase, g: Geometry, kernel_factory=metal_kernel, sin
 
 
 def run_gather(case: PagedCase, g: Geometry, kernel_factory=metal_kernel):
-    """The Metal backend's page gather of every sequence: [(k, v)], each [Hkv, L, D]."""
+    """The Metal backend's page gather of every sequence: [(k, v)], each [Hkv, L, D], from the
+    page of its first visible key on (`g.window`)."""
     seqs = list(range(len(case.seq_lens)))
     plan = plan_gather(case.seq_lens, seqs, g.block_size, g.num_kv_heads, g.head_dim,
-                       g.dtype)
+                       g.dtype, case.lengths.key_starts(g.window))
     gathered = metal_backend(kernel_factory).gathered.gather.launch(
         case.k_cache, case.v_cache, case.block_tables, plan)
     return [tuple(x.reshape(-1, *x.shape[-2:]) for x in pair) for pair in gathered]
@@ -249,14 +250,46 @@ def test_case_matches_oracle(name):
         assert tiles.merge is not None
 
 
-@pytest.mark.parametrize("dtype", ["fp16", "bf16"])
-def test_page_gather_is_a_copy(dtype):
-    case = PagedCase([5, 1, 40], [7, 300, 33], 8, 2, 128, 16, DTYPES[dtype], seed=3)
-    got = run_gather(case, Geometry(8, 2, 128, 16, DTYPES[dtype], 0.1))
+GATHER_WINDOW = 40
+
+
+def check_gather(dtype: str, window=None, kernel_factory=metal_kernel) -> None:
+    """The gathered pages equal the sequences' keys and values bit for bit, from the page of
+    each one's first visible key on; the pages before it hold NaN (never read)."""
+    case = PagedCase([5, 1, 40], [7, 300, 33], 8, 2, 128, 16, DTYPES[dtype], seed=3,
+                     window=window)
+    g = Geometry(8, 2, 128, 16, DTYPES[dtype], 0.1, window=window)
+    got = run_gather(case, g, kernel_factory)
+    firsts = case.lengths.key_starts(window) // 16 * 16
+    assert window is None or firsts.any()
     for s, pair in enumerate(got):
         for out, want in zip(pair, (case.k_seqs[s], case.v_seqs[s])):
-            np.testing.assert_array_equal(np.array(out.view(mx.uint16)),
-                                          np.array(want.transpose(1, 0, 2).view(mx.uint16)))
+            np.testing.assert_array_equal(
+                np.array(out.view(mx.uint16)),
+                np.array(want[int(firsts[s]):].transpose(1, 0, 2).view(mx.uint16)))
+
+
+@pytest.mark.parametrize("window", [None, GATHER_WINDOW], ids=["full", "window"])
+@pytest.mark.parametrize("dtype", ["fp16", "bf16"])
+def test_page_gather_is_a_copy(dtype, window):
+    check_gather(dtype, window)
+
+
+GATHER_BUGS = {
+    "window_rows_at_their_page_in_the_sequence": ("(page - first) * BS", "page * BS"),
+    "window_heads_strided_by_the_whole_sequence": ("h) * out_len", "h) * seq_len"),
+}
+
+
+@pytest.mark.parametrize("bug", GATHER_BUGS)
+def test_planted_gather_bug_is_caught(bug):
+    old, new = GATHER_BUGS[bug]
+    from jit_kernels.page_gather import SOURCES
+
+    assert old in SOURCES["metal"].source, f"{bug}: the kernel changed, update its mutation"
+    check_gather("fp16", GATHER_WINDOW)  # the case passes unmutated
+    with pytest.raises((AssertionError, KernelError)):
+        check_gather("fp16", GATHER_WINDOW, mutated((old, new)))
 
 
 # --- planted bugs: each source mutation fails a named case ---------------------------------

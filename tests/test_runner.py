@@ -6,8 +6,8 @@ runs its own copy of the module tree and leaves this one as it was):
     chunks) with the same attention precision as the reference (fp32 scores). On the CPU paths
     (reference, sdpa) paging adds no arithmetic, so logits must be bit-identical: a wrong RoPE
     offset, slot or softmax scale cannot hide in a tolerance. (On a GPU these paths are held
-    to the tolerance: SDPA may choose another algorithm for another memory layout; float32 on
-    OpenBLAS to a tolerance 100x tighter and the same argmax: SPLIT_TOL_OPENBLAS says why.)
+    to the tolerance: SDPA may choose another algorithm for another memory layout; on OpenBLAS
+    to a tolerance of an ulp or two and the same argmax: SPLIT_TOL_OPENBLAS says why.)
   * full prefill: one forward over the whole prompt (different rounding order), compared with a
     tolerance, and greedy continuations that must be identical.
 Kernel paths (GPU) compute attention in their own order: they are held to the tolerance only.
@@ -38,11 +38,14 @@ BS, NUM_BLOCKS, PROMPT_LEN, DECODE_STEPS = 16, 64, 70, 6
 LOGIT_TOL = {mx.float32: (1e-4, 1e-4),  # fp32 on the GPU too (paged_prefix.precision)
              mx.float16: (5e-2, 2e-2), mx.bfloat16: (2e-1, 5e-2)}
 EXACT_PATHS = ("reference", "sdpa")
-# OpenBLAS sums a float32 product in an order that depends on its shape (it has small-matrix
-# kernels below a size), and the runner's fused q/k/v and gate/up matmuls have other shapes
-# than mlx-lm's: there the exact oracle holds float32 to this (atol, rtol), 9.5e-7 apart at
-# most as measured, and the same argmax. Half types never reach BLAS and stay bit-exact.
-SPLIT_TOL_OPENBLAS = (1e-5, 1e-5)
+# OpenBLAS sums a float32 product in an order that depends on its shape (small-matrix kernels
+# below a size; on AVX-512 CPUs, blockings by the output's width), and the runner's fused q/k/v
+# and gate/up matmuls have other shapes than mlx-lm's: there the exact oracle holds each dtype
+# to this (atol, rtol) and the same argmax. float32: 9.5e-7 apart at most as measured; float16
+# reaches BLAS through the float32 scores of the attention (the reference upcasts half inputs
+# on the CPU), where a last-bit difference moves a logit by one of its ulps (9.8e-4 measured on
+# an AMD EPYC). bfloat16 measured bit-exact there and stays so.
+SPLIT_TOL_OPENBLAS = {mx.float32: (1e-5, 1e-5), mx.float16: (2e-3, 2e-3)}
 PATH_DTYPES = [pytest.param(p, d, id=f"{p}-{n}") for p in EXACT_PATHS for n, d in DTYPES.items()]
 PATH_DTYPES += [pytest.param(p.values[0], mx.float16, marks=p.marks, id=f"{p.values[0]}-fp16")
                 for p in KERNEL_PATHS]
@@ -67,7 +70,8 @@ class Harness:
         # GPU SDPA may pick another algorithm for a gathered layout than for mlx-lm's cache
         self.dtype = dtype
         self.exact = path in EXACT_PATHS and not ON_GPU
-        self.blas_rounded = self.exact and dtype == mx.float32 and cpu_blas.status().active
+        self.blas_rounded = (self.exact and dtype in SPLIT_TOL_OPENBLAS
+                             and cpu_blas.status().active)
         self.dense = build_model(self.cfg, dtype, seed=7)
         head_dim = self.cfg.get("head_dim") or self.cfg["hidden_size"] // \
             self.cfg["num_attention_heads"]  # Mixtral's class derives it
@@ -94,12 +98,12 @@ class Harness:
         return MlxLmOracle(self.dense, self.cfg).greedy(prompt, steps)
 
     def assert_same(self, got, want):
-        """Bit-identical on the exact paths (float32 on OpenBLAS: SPLIT_TOL_OPENBLAS and the
-        same argmax), else within the full-prefill tolerance."""
+        """Bit-identical on the exact paths (on OpenBLAS: SPLIT_TOL_OPENBLAS and the same
+        argmax), else within the full-prefill tolerance."""
         got, want = np.array(got.astype(mx.float32)), np.array(want.astype(mx.float32))
         if self.blas_rounded:
-            np.testing.assert_allclose(got, want, atol=SPLIT_TOL_OPENBLAS[0],
-                                       rtol=SPLIT_TOL_OPENBLAS[1])
+            atol, rtol = SPLIT_TOL_OPENBLAS[self.dtype]
+            np.testing.assert_allclose(got, want, atol=atol, rtol=rtol)
             assert got.argmax() == want.argmax()
         elif self.exact:
             np.testing.assert_array_equal(got, want)
@@ -355,11 +359,15 @@ def test_a_forward_failing_past_layer_0_writes_only_its_own_slots(pipeline):
 
 
 @pytest.mark.skipif(ON_GPU, reason="the exact comparison is the CPU paths' (GPU: tolerance)")
-def test_a_softmax_scale_error_is_caught():
-    """The exact comparison can fail: a 1% wrong scale in one layer changes the logits."""
-    h = Harness("llama-test", "reference", mx.bfloat16)
+@pytest.mark.parametrize("dtype, error", [(mx.bfloat16, 1.01), (mx.float16, 1.03)],
+                         ids=["bf16", "fp16"])
+def test_a_softmax_scale_error_is_caught(dtype, error):
+    """The exact comparison can fail: a 1% wrong scale in one layer changes the logits; where
+    OpenBLAS holds float16 to SPLIT_TOL_OPENBLAS, 3% does (1% moves one logit past it, 3%
+    dozens: measured on an AMD EPYC)."""
+    h = Harness("llama-test", "reference", dtype)
     first, second = h.runner.geometries
-    h.runner.geometries = (first, replace(second, scale=second.scale * 1.01))
+    h.runner.geometries = (first, replace(second, scale=second.scale * error))
     prompt = prompt_of(0)
     logits = h.step(ScheduledRequest("b", prompt, PROMPT_LEN, 0, PROMPT_LEN, h.blocks(70)))["b"]
     with pytest.raises(AssertionError):

@@ -18,6 +18,7 @@ import torch
 from vllm.config import SchedulerConfig, VllmConfig
 from vllm.v1.core.sched.output import NewRequestData
 
+from bench import ttft_breakdown
 from paged_prefix.engine import Engine, EngineConfig
 from paged_prefix.kv_groups import kv_cache_config, layer_specs
 from paged_prefix.models import build_model, resolve_config
@@ -335,3 +336,7 @@ def test_debug_log_says_where_each_steps_time_goes(caplog):
         assert "sdpa attention (sequences: 1 uncached); forward " in lines[0]
         assert "sdpa attention (sequences: 1 read in place); forward " in lines[2]
     assert lines[2].endswith("ms after the last step")
+    # what bench/ttft_breakdown.py reads off a server's log: two timed steps, in order
+    steps = ttft_breakdown.steps_of("\n".join(lines))
+    assert [(s.tokens, s.decode_rows) for s in steps] == [(20, 0), (1, 1)]
+    assert steps[0].start < steps[0].end <= steps[1].start < steps[1].end

@@ -13,10 +13,11 @@ import numpy as np
 import pytest
 
 import reference
-from jit_kernels import GatheredSdpa, KernelBackend
+from jit_kernels import ContiguousSdpa, GatheredSdpa, KernelBackend
 from jit_kernels.arrays import as_pages
 from jit_kernels.geometry import Geometry
 from jit_kernels.interface import PagedAttentionKernel, Plan
+from jit_kernels.sdpa import WINDOW_CHUNK_Q
 from paged_prefix.attention_metadata import build_attention_metadata
 from paged_prefix.dispatch import Dispatcher
 from paged_prefix.route import Source
@@ -179,3 +180,55 @@ def test_each_groups_metadata_keeps_its_plans():
     first = [d.plan(m, geometry()) for m in metas]
     again = [d.plan(m, geometry()) for m in metas]
     assert all(a is b for a, b in zip(first, again))
+
+
+@pytest.mark.parametrize("variant", [{}, {"softcap": 30.0}, {"sinks": True}])
+@pytest.mark.parametrize("source", ["new rows", "in place", "gathered"])
+def test_a_long_windowed_prompt_attends_chunk_by_chunk(source, variant):
+    """Each chunk of queries attends over the keys its window reaches, and nothing else: the
+    pages left of each chunk's first visible key hold NaN for the chunk (they are another
+    chunk's), so a chunk that read one would show it; outputs against the float64 oracle."""
+    window, chunk = 24, 16
+    q_len, ctx = (70, 0) if source == "new rows" else (69, 41)
+    g = geometry(window=window, **variant)
+    c = PagedCase([q_len], [ctx], 8, 2, 64, BS, mx.float16, seed=5, runs=[source == "in place"],
+                  window=window)
+    lengths = build_attention_metadata([q_len], [ctx], c.pages, BS, c.num_blocks).lengths
+    if source == "gathered":
+        executor = GatheredSdpa()
+        plan = executor.plan(lengths, g, c.block_tables, query_chunk=chunk)
+    else:
+        executor = ContiguousSdpa()
+        start = int(lengths.key_starts(window)[0])
+        first_blocks = {0: c.pages[0][start // BS]} if ctx else {}
+        plan = executor.plan(lengths, g, c.block_tables, first_blocks=first_blocks,
+                             query_chunk=chunk)
+    calls = plan.calls[0]
+    assert len(calls) == -(-q_len // chunk) and calls[-1].q1 == q_len
+    assert all(0 < c_.k1 - c_.k0 <= chunk + window - 1 for c_ in calls)
+    assert calls[2].mask is calls[3].mask  # one mask per shape, built with the plan
+    sinks = mx.array(np.linspace(-1, 2, 8), dtype=mx.float32) if g.sinks else None
+    args = (c.q, c.k_new, c.v_new, c.k_cache, c.v_cache)
+    executor.check(*args, plan, sinks=sinks)
+    out = executor.run(*args, plan, sinks=sinks)
+    assert_close(out, c.oracle(g.scale, window, g.softcap, sinks), mx.float16)
+
+
+def test_the_route_chunks_long_windowed_prompts_by_default():
+    """A fresh prompt past WINDOW_CHUNK_Q queries with a window that cuts inside it."""
+    d = Dispatcher("sdpa", backends={})
+    g = geometry(window=40)
+    q_len = WINDOW_CHUNK_Q + 100
+    c = PagedCase([q_len, 3], [0, 50], 8, 2, 64, BS, mx.float16, seed=2, window=40)
+    out = c.forward(d, g)
+    assert_close(out, c.oracle(g.scale, 40), mx.float16)
+    plan = d.plan(build_attention_metadata([q_len, 3], [0, 50], c.pages, BS, c.num_blocks), g)
+    assert [len(calls) for _, p in plan.parts for calls in p.calls] == [2, 1]
+
+
+@pytest.mark.parametrize("value", [0, -3, 2.5, True])
+def test_a_bad_query_chunk_names_its_field(value):
+    c = PagedCase([5], [0], 8, 2, 64, BS, mx.float16)
+    lengths = build_attention_metadata([5], [0], c.pages, BS, c.num_blocks).lengths
+    with pytest.raises(ValueError, match="query_chunk"):
+        ContiguousSdpa().plan(lengths, geometry(window=2), c.block_tables, query_chunk=value)
