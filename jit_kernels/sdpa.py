@@ -51,15 +51,16 @@ def spans(q_len: int, k_len: int, window: int | None, chunk: int,
     """The calls of one sequence: q_len queries at the last positions of its k_len keys, which
     start at its first visible key. `masks`: the masks built so far, by (queries, keys) shape,
     shared by every sequence of a plan (the chunks inside a prompt share one)."""
-    def span(q0: int, q1: int) -> Span:
-        k0 = 0 if window is None else max(0, k_len - q_len + q0 - window + 1)
+    def span(q0: int, q1: int, k0: int | None = None) -> Span:
+        if k0 is None:  # from the first key the chunk's first query sees
+            k0 = max(0, k_len - q_len + q0 - window + 1)
         k1 = k_len - q_len + q1
         shape = (q1 - q0, k1 - k0)
         if shape not in masks:
             masks[shape] = reference.window_mask(*shape, window)
         return Span(q0, q1, k0, k1, masks[shape])
-    if window is None or k_len <= window or q_len <= chunk:
-        return (span(0, q_len),)
+    if window is None or k_len <= window or q_len <= chunk:  # one call over every key given
+        return (span(0, q_len, 0),)
     return tuple(span(a, min(a + chunk, q_len)) for a in range(0, q_len, chunk))
 
 

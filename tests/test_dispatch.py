@@ -74,10 +74,11 @@ class FakeAttention(PagedAttentionKernel):
 
 
 class FakeGather:
-    """A page-gather 'kernel': MLX's take, optionally broken (V copied where K belongs)."""
+    """A page-gather 'kernel' to the real one's contract (a window's pages from the page of its
+    first visible key on): MLX's take, optionally broken (V copied where K belongs)."""
 
     backend = "fake"
-    features = ()
+    features = ("window",)
 
     def __init__(self, broken: bool = False):
         self.broken = broken
@@ -91,8 +92,9 @@ class FakeGather:
 
     def launch(self, k_cache, v_cache, tables, plan):
         self.launched.append(plan.seqs)
-        kv = [reference.gather_kv(k_cache, v_cache, tables[s], n)
-              for s, n in zip(plan.seqs, plan.seq_lens)]
+        bs = k_cache.shape[1]
+        kv = [reference.gather_kv(k_cache, v_cache, tables[s], n, first * bs)
+              for s, n, first in zip(plan.seqs, plan.seq_lens, plan.first_pages)]
         return [(v, v) for _, v in kv] if self.broken else kv
 
 

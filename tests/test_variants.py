@@ -74,17 +74,20 @@ def with_fake(kernel, gather=None, **kwargs) -> Dispatcher:
     return Dispatcher("auto", backends={"fake": backend}, rule_of=lambda b: never, **kwargs)
 
 
-def test_a_kernel_without_the_window_is_routed_around_and_says_so(caplog):
+@pytest.mark.parametrize("gather_window", [True, False], ids=["gather-window", "gather-whole"])
+def test_a_kernel_without_the_window_is_routed_around_and_says_so(caplog, gather_window):
     kernel, gather = VariantFake(), FakeGather()
+    if not gather_window:
+        gather.features = ()
     d = with_fake(kernel, gather)
     with caplog.at_level(logging.INFO, logger="paged_prefix.dispatch"):
         route, _ = forward(d, geometry(window=40), q_lens=(5, 1, 7), ctx=(100, 90, 0))
     assert route.path == "sdpa" and "window (not built into this kernel)" in route.reason
     assert "window" in caplog.text and kernel.launches == 0
-    # cached prefixes on shuffled pages are copied by MLX's take from the window's first page
-    # on: the fake's gather kernel copies whole sequences and is never used for a window
+    # cached prefixes on shuffled pages are copied from the window's first page on: by the
+    # gather kernel where it copies windows (its contract: from that page), else by MLX's take
     assert route.sources == (Source.GATHERED, Source.GATHERED, Source.NEW_ROWS)
-    assert gather.launched == []
+    assert gather.launched[-1:] == ([(0, 1)] if gather_window else [])
 
 
 def test_a_kernel_with_the_variant_runs_it():
