@@ -28,10 +28,12 @@ from .geometry import Geometry, Lengths
 from .interface import Plan
 from .page_gather import GatherPlan, PageGather, plan_gather
 
-# A windowed sequence attends in chunks of max(window, WINDOW_CHUNK_Q) queries, each over the
-# keys its chunk sees: the cost follows the window, not the prompt, where one masked call over
-# the whole prompt grows with its square (docs/results.md, "End to end: Gemma 3").
-WINDOW_CHUNK_Q = 512
+# A windowed sequence of more than two chunks of max(window, WINDOW_CHUNK_Q) queries attends
+# chunk by chunk, each over the keys its chunk sees: the cost follows the window, not the
+# prompt, where one masked call over the whole prompt grows with its square. 512-query chunks
+# cost more than they saved up to 4096 queries on the H200 (docs/results.md, "End to end:
+# Gemma 3").
+WINDOW_CHUNK_Q = 2048
 
 
 @dataclass(frozen=True)
@@ -59,7 +61,7 @@ def spans(q_len: int, k_len: int, window: int | None, chunk: int,
         if shape not in masks:
             masks[shape] = reference.window_mask(*shape, window)
         return Span(q0, q1, k0, k1, masks[shape])
-    if window is None or k_len <= window or q_len <= chunk:  # one call over every key given
+    if window is None or k_len <= window or q_len <= 2 * chunk:  # one call over every key
         return (span(0, q_len, 0),)
     return tuple(span(a, min(a + chunk, q_len)) for a in range(0, q_len, chunk))
 

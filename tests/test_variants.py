@@ -191,7 +191,7 @@ def test_a_long_windowed_prompt_attends_chunk_by_chunk(source, variant):
     """Each chunk of queries attends over the keys its window reaches, and nothing else: the
     pages left of each chunk's first visible key hold NaN for the chunk (they are another
     chunk's), so a chunk that read one would show it; outputs against the float64 oracle."""
-    window, chunk = 24, 16
+    window, chunk = 24, 16  # 70 queries: more than two chunks
     q_len, ctx = (70, 0) if source == "new rows" else (69, 41)
     g = geometry(window=window, **variant)
     c = PagedCase([q_len], [ctx], 8, 2, 64, BS, mx.float16, seed=5, runs=[source == "in place"],
@@ -218,15 +218,15 @@ def test_a_long_windowed_prompt_attends_chunk_by_chunk(source, variant):
 
 
 def test_the_route_chunks_long_windowed_prompts_by_default():
-    """A fresh prompt past WINDOW_CHUNK_Q queries with a window that cuts inside it."""
+    """A fresh prompt past two chunks of WINDOW_CHUNK_Q queries, a window cutting inside it."""
     d = Dispatcher("sdpa", backends={})
     g = geometry(window=40)
-    q_len = WINDOW_CHUNK_Q + 100
+    q_len = 2 * WINDOW_CHUNK_Q + 100
     c = PagedCase([q_len, 3], [0, 50], 8, 2, 64, BS, mx.float16, seed=2, window=40)
     out = c.forward(d, g)
     assert_close(out, c.oracle(g.scale, 40), mx.float16)
     plan = d.plan(build_attention_metadata([q_len, 3], [0, 50], c.pages, BS, c.num_blocks), g)
-    assert [len(calls) for _, p in plan.parts for calls in p.calls] == [2, 1]
+    assert [len(calls) for _, p in plan.parts for calls in p.calls] == [3, 1]
 
 
 @pytest.mark.parametrize("value", [0, -3, 2.5, True])
