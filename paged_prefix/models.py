@@ -29,6 +29,11 @@ _COMMON = dict(
 )
 _GEMMA3 = dict(model_type="gemma3_text", num_attention_heads=4, num_key_value_heads=1,
                rms_norm_eps=1e-6, rope_theta=1000000.0, rope_local_base_freq=10000.0)
+# Qwen3-Next's fixed choices: a gated attention layer every 4th, 2 kv heads, a quarter of each
+# head rotated, experts in every layer not listed in mlp_only_layers
+_QWEN3_NEXT = dict(model_type="qwen3_next", num_key_value_heads=2, partial_rotary_factor=0.25,
+                   linear_conv_kernel_dim=4, full_attention_interval=4, decoder_sparse_step=1,
+                   norm_topk_prob=True, rms_norm_eps=1e-6, tie_word_embeddings=False)
 _GPT_OSS = dict(model_type="gpt_oss", head_dim=64, rope_theta=150000.0)
 
 
@@ -119,36 +124,27 @@ BUILTIN_CONFIGS: dict[str, dict] = {
     # but layer 1, whose plain MLP keeps both feed-forward kinds in the model. 4 value heads
     # over 2 key heads, as the real model groups them.
     "qwen3-next-test": dict(
-        model_type="qwen3_next", hidden_size=128, num_hidden_layers=4, intermediate_size=256,
-        num_attention_heads=4, num_key_value_heads=2, head_dim=64, partial_rotary_factor=0.25,
-        linear_num_value_heads=4, linear_num_key_heads=2, linear_key_head_dim=32,
-        linear_value_head_dim=32, linear_conv_kernel_dim=4, full_attention_interval=4,
-        num_experts=4, num_experts_per_tok=2, decoder_sparse_step=1, mlp_only_layers=[1],
-        moe_intermediate_size=64, shared_expert_intermediate_size=128, norm_topk_prob=True,
-        rms_norm_eps=1e-6, rope_theta=10000.0, max_position_embeddings=4096, vocab_size=512,
-        tie_word_embeddings=False),
+        hidden_size=128, num_hidden_layers=4, intermediate_size=256, num_attention_heads=4,
+        head_dim=64, linear_num_value_heads=4, linear_num_key_heads=2, linear_key_head_dim=32,
+        linear_value_head_dim=32, num_experts=4, num_experts_per_tok=2, mlp_only_layers=[1],
+        moe_intermediate_size=64, shared_expert_intermediate_size=128, rope_theta=10000.0,
+        max_position_embeddings=4096, vocab_size=512, **_QWEN3_NEXT),
     # CPU-sized for serving benchmarks (~90M parameters with a 49k vocabulary): 6 gated delta
     # net layers, 2 gated attention, 8 experts
     "qwen3-next-small": dict(
-        model_type="qwen3_next", hidden_size=512, num_hidden_layers=8, intermediate_size=1024,
-        num_attention_heads=8, num_key_value_heads=2, head_dim=64, partial_rotary_factor=0.25,
-        linear_num_value_heads=8, linear_num_key_heads=4, linear_key_head_dim=64,
-        linear_value_head_dim=64, linear_conv_kernel_dim=4, full_attention_interval=4,
-        num_experts=8, num_experts_per_tok=2, decoder_sparse_step=1, mlp_only_layers=[],
-        moe_intermediate_size=256, shared_expert_intermediate_size=512, norm_topk_prob=True,
-        rms_norm_eps=1e-6, rope_theta=10000.0, max_position_embeddings=4096, vocab_size=512,
-        tie_word_embeddings=False),
+        hidden_size=512, num_hidden_layers=8, intermediate_size=1024, num_attention_heads=8,
+        head_dim=64, linear_num_value_heads=8, linear_num_key_heads=4, linear_key_head_dim=64,
+        linear_value_head_dim=64, num_experts=8, num_experts_per_tok=2, mlp_only_layers=[],
+        moe_intermediate_size=256, shared_expert_intermediate_size=512, rope_theta=10000.0,
+        max_position_embeddings=4096, vocab_size=512, **_QWEN3_NEXT),
     # GPU-sized Qwen3-Next shapes (its heads, head dims and expert widths; 16 layers, 32
-    # experts), for serving benchmarks of a hybrid model
+    # experts: 2.4B parameters with a 49k vocabulary), for serving benchmarks of a hybrid model
     "qwen3-next-2b": dict(
-        model_type="qwen3_next", hidden_size=2048, num_hidden_layers=16, intermediate_size=5120,
-        num_attention_heads=16, num_key_value_heads=2, head_dim=256, partial_rotary_factor=0.25,
-        linear_num_value_heads=32, linear_num_key_heads=16, linear_key_head_dim=128,
-        linear_value_head_dim=128, linear_conv_kernel_dim=4, full_attention_interval=4,
-        num_experts=32, num_experts_per_tok=8, decoder_sparse_step=1, mlp_only_layers=[],
-        moe_intermediate_size=512, shared_expert_intermediate_size=512, norm_topk_prob=True,
-        rms_norm_eps=1e-6, rope_theta=10000000.0, max_position_embeddings=32768,
-        vocab_size=151936, tie_word_embeddings=False),
+        hidden_size=2048, num_hidden_layers=16, intermediate_size=5120, num_attention_heads=16,
+        head_dim=256, linear_num_value_heads=32, linear_num_key_heads=16, linear_key_head_dim=128,
+        linear_value_head_dim=128, num_experts=32, num_experts_per_tok=8, mlp_only_layers=[],
+        moe_intermediate_size=512, shared_expert_intermediate_size=512, rope_theta=10000000.0,
+        max_position_embeddings=32768, vocab_size=151936, **_QWEN3_NEXT),
     # Short conv at layers 0, 1 and 3, attention at 2 (LFM2's conv-conv-attention rhythm);
     # embeddings tied as in every LFM2. conv_dim is what vLLM sizes the conv state by.
     "lfm2-test": dict(
