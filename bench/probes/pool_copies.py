@@ -59,11 +59,13 @@ def main() -> None:
     runner = PagedModelRunner(s.runner.model, kv, Dispatcher("auto"))
     array_bytes = kv.arrays()[0].nbytes
 
+    blocks = s.blocks["run"]  # the prompt's blocks in one run
+
     def prefill(hit: int):
         return build_batch_metadata([ScheduledRequest(
-            "r", s.prompt, s.prompt_len, hit, s.prompt_len - hit, s.blocks)], BLOCK_SIZE,
+            "r", s.prompt, s.prompt_len, hit, s.prompt_len - hit, blocks)], BLOCK_SIZE,
             args.blocks)
-    cases = {"decode32": decode_batch(32, 1024, len(s.blocks) + 1, args.blocks),
+    cases = {"decode32": decode_batch(32, 1024, len(blocks) + 1, args.blocks),
              "suffix512": prefill(s.prompt_len - 512), "prompt4096": prefill(0)}
     rows = []
     for name, meta in cases.items():
