@@ -11,12 +11,13 @@ New rows and rows read in place reach SDPA as [L, Hkv, D] seen heads first, gath
 [Hkv, L, D]: MLX builds a cuDNN graph per layout and shape (the routing rules count them).
 Every variant runs here: a windowed sequence attends over its keys from `key_start` on only
 (never the pages before it), with the window's mask where it cuts inside them; one with more new
-queries than a chunk attends chunk by chunk, each chunk over its own window's keys (`spans`).
+queries than two chunks attends chunk by chunk, each chunk over its own window's keys (`spans`).
 The masks are built when the plan is, once per forward and shape, and every layer reads them.
 """
 
 from __future__ import annotations
 
+import numbers
 from dataclasses import dataclass
 
 import mlx.core as mx
@@ -67,17 +68,16 @@ def spans(q_len: int, k_len: int, window: int | None, chunk: int,
 
 
 def plan_spans(lengths: Lengths, geometry: Geometry, seqs: tuple[int, ...],
-               query_chunk: int | None, key_starts=None) -> tuple[tuple[Span, ...], ...]:
+               query_chunk: int | None, key_starts) -> tuple[tuple[Span, ...], ...]:
     """Per planned sequence its calls; `query_chunk` (a plan argument) overrides the chunk.
-    `key_starts`: per planned sequence the first key its source gives (default: its first
-    visible key); keys before the first visible one are masked out."""
+    `key_starts`: per planned sequence the first key its source gives (its first visible key,
+    or one before it: keys before the first visible one are masked out)."""
     window = geometry.window
     if query_chunk is None:
         query_chunk = max(window or 0, WINDOW_CHUNK_Q)
-    elif isinstance(query_chunk, bool) or not isinstance(query_chunk, int) or query_chunk < 1:
+    elif isinstance(query_chunk, bool) or not isinstance(query_chunk, numbers.Integral) or \
+            query_chunk < 1:
         raise ValueError(f"query_chunk: a positive int, not {query_chunk!r}")
-    if key_starts is None:
-        key_starts = lengths.key_starts(window)[list(seqs)]
     masks: dict = {}
     return tuple(spans(int(lengths.q_lens[s]), int(lengths.seq_lens[s] - start), window,
                        query_chunk, masks) for s, start in zip(seqs, key_starts))
@@ -160,7 +160,8 @@ class ContiguousSdpa(_OnMlx):
         sources = tuple(rows(s) if s in first_blocks else None for s in seqs)
         cache_rows = max((r.stop for r in sources if r is not None), default=0)
         return ContiguousPlan(geometry, lengths, block_tables, seqs, sources, cache_rows,
-                              plan_spans(lengths, geometry, seqs, query_chunk))
+                              plan_spans(lengths, geometry, seqs, query_chunk,
+                                         starts[list(seqs)]))
 
     def check(self, q, k, v, k_cache, v_cache, plan: ContiguousPlan, sinks=None) -> None:
         super().check(q, k, v, k_cache, v_cache, plan, sinks)
