@@ -111,8 +111,10 @@ def compare(model: str, args: argparse.Namespace) -> int:
     summary = {"model": model, "workload": workload_text(args), "seed": args.seed,
                "multi_turn": vars(turns), "results": results}
     (args.out / "summary.json").write_text(json.dumps(summary, indent=1))
-    on_cpu = all("OpenBLAS" in results[s]["blas"] for s in SERVERS)
-    where = "both on OpenBLAS" if on_cpu else "on the GPU"
+    import mlx.core as mx  # after paged_prefix (cpu_blas binds MLX's BLAS at its import)
+
+    on_openblas = all("OpenBLAS" in results[s]["blas"] for s in SERVERS)
+    where = "both on OpenBLAS" if on_openblas else f"both on MLX's {mx.default_device()}"
     title = (f"{Path(model).name}: paged_prefix (vllm serve, prefix caching on) vs mlx_lm.server, "
              f"{where}\nprefix_repetition {workload_text(args)}; "
              f"multi-turn {turns.conversations} conversations x {turns.turns} turns, "
