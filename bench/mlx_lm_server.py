@@ -16,7 +16,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from bench.vllm_server import child_env, free_port, stop_process, wait_until_answering
+from bench.vllm_server import ServerProcess, child_env, free_port, stop_process, wait_until_answering
 
 ROOT = Path(__file__).resolve().parent.parent
 LAUNCH = """import sys
@@ -34,7 +34,7 @@ def eos_ids(model: Path) -> list[int]:
     return eos if isinstance(eos, list) else [eos]
 
 
-class MlxLmServer:
+class MlxLmServer(ServerProcess):
     def __init__(self, model: str | Path, log_path: Path, start_timeout: float = 300.0):
         self.model, self.log_path = Path(model), Path(log_path)
         self.start_timeout = start_timeout
@@ -49,28 +49,19 @@ class MlxLmServer:
         self.processes.append(process)
         return process
 
-    def __enter__(self) -> MlxLmServer:
-        self.log_path.parent.mkdir(parents=True, exist_ok=True)
-        try:
-            server = self._start([sys.executable, "-c", LAUNCH, "--model", str(self.model),
-                                  "--host", "127.0.0.1", "--port", self.upstream.rsplit(":")[-1]],
-                                 self.log_path)
-            wait_until_answering(self.upstream + "/v1/models", server, self.log_path,
-                                 self.start_timeout, "mlx_lm server")
-            adapter_log = self.log_path.with_name(self.log_path.stem + "-adapter.log")
-            adapter = self._start([sys.executable, "-m", "bench.sse_adapter",
-                                   "--upstream", self.upstream, "--port", self.url.rsplit(":")[-1],
-                                   "--eos", *map(str, eos_ids(self.model))], adapter_log)
-            # the adapter routes POST only: its 405 to a GET says it is up
-            wait_until_answering(self.url + "/v1/completions", adapter, adapter_log, 60.0,
-                                 "the SSE adapter")
-        except BaseException:
-            self.stop()
-            raise
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.stop()
+    def start(self) -> None:
+        server = self._start([sys.executable, "-c", LAUNCH, "--model", str(self.model),
+                              "--host", "127.0.0.1", "--port", self.upstream.rsplit(":")[-1]],
+                             self.log_path)
+        wait_until_answering(self.upstream + "/v1/models", server, self.log_path,
+                             self.start_timeout, "mlx_lm server")
+        adapter_log = self.log_path.with_name(self.log_path.stem + "-adapter.log")
+        adapter = self._start([sys.executable, "-m", "bench.sse_adapter",
+                               "--upstream", self.upstream, "--port", self.url.rsplit(":")[-1],
+                               "--eos", *map(str, eos_ids(self.model))], adapter_log)
+        # the adapter routes POST only: its 405 to a GET says it is up
+        wait_until_answering(self.url + "/v1/completions", adapter, adapter_log, 60.0,
+                             "the SSE adapter")
 
     def stop(self) -> None:
         for process in reversed(self.processes):

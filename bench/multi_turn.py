@@ -27,12 +27,12 @@ REQUEST_TIMEOUT_S = 600
 
 @dataclass(frozen=True)
 class Workload:
-    conversations: int = 4
-    turns: int = 6
-    system_words: int = 256
-    message_words: int = 40
-    output_len: int = 32
-    seed: int = 0
+    conversations: int = 4  # run side by side, one request each at a time
+    turns: int = 6  # requests per conversation, each prompt the last one's + answer + message
+    system_words: int = 256  # the conversation's opening prompt
+    message_words: int = 40  # each turn's new user message
+    output_len: int = 32  # tokens generated per turn (ignore_eos)
+    seed: int = 0  # the words drawn
 
     def __post_init__(self):
         for name in ("conversations", "turns", "system_words", "message_words", "output_len"):

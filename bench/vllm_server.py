@@ -20,6 +20,7 @@ import sys
 import time
 import urllib.error
 import urllib.request
+from abc import ABC, abstractmethod
 from pathlib import Path
 
 VLLM_CLI = (sys.executable, "-m", "vllm.entrypoints.cli.main")
@@ -37,7 +38,32 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-class VllmServer:
+class ServerProcess(ABC):
+    """A `with` block around servers in child processes: `start()` on entering, `stop()` on
+    leaving, and on a failed start too, so that no child outlives the block."""
+
+    log_path: Path
+
+    @abstractmethod
+    def start(self) -> None: ...
+
+    @abstractmethod
+    def stop(self) -> None: ...
+
+    def __enter__(self):
+        self.log_path.parent.mkdir(parents=True, exist_ok=True)
+        try:
+            self.start()
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+
+class VllmServer(ServerProcess):
     def __init__(self, model: str | Path, args: list[str], log_path: Path,
                  served_name: str = "smollm2", start_timeout: float = 600.0,
                  env: dict[str, str] | None = None):
@@ -50,8 +76,7 @@ class VllmServer:
         self.url = f"http://127.0.0.1:{self.port}"
         self.process: subprocess.Popen | None = None
 
-    def __enter__(self) -> VllmServer:
-        self.log_path.parent.mkdir(parents=True, exist_ok=True)
+    def start(self) -> None:
         log = self.log_path.open("w")
         self.process = subprocess.Popen(
             [*VLLM_CLI, "serve", self.model, "--host", "127.0.0.1", "--port", str(self.port),
@@ -61,17 +86,6 @@ class VllmServer:
              "--shutdown-timeout", "10", *self.args],
             stdout=log, stderr=subprocess.STDOUT, env=child_env(**self.env))
         log.close()  # the child holds its own descriptor
-        try:
-            self._wait_ready()
-        except BaseException:
-            self.stop()
-            raise
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.stop()
-
-    def _wait_ready(self) -> None:
         wait_until_answering(self.url + "/v1/models", self.process, self.log_path,
                              self.start_timeout, "vllm serve")
 

@@ -34,7 +34,21 @@ _GEMMA3 = dict(model_type="gemma3_text", num_attention_heads=4, num_key_value_he
 _QWEN3_NEXT = dict(model_type="qwen3_next", num_key_value_heads=2, partial_rotary_factor=0.25,
                    linear_conv_kernel_dim=4, full_attention_interval=4, decoder_sparse_step=1,
                    norm_topk_prob=True, rms_norm_eps=1e-6, tie_word_embeddings=False)
+_QWEN3_NEXT_SMALL = dict(rope_theta=10000.0, max_position_embeddings=4096, vocab_size=512)
 _GPT_OSS = dict(model_type="gpt_oss", head_dim=64, rope_theta=150000.0)
+
+
+def _qwen3_next(hidden: int, layers: int, heads: int, head_dim: int, linear_heads: int,
+                linear_head_dim: int, experts: int, top_k: int, expert_width: int,
+                **rest) -> dict:
+    """A Qwen3-Next shape from its free sizes; its linear layers have half as many key heads
+    as value heads, keys and values of one width, as the released model groups them."""
+    return dict(hidden_size=hidden, num_hidden_layers=layers, num_attention_heads=heads,
+                head_dim=head_dim, linear_num_value_heads=linear_heads,
+                linear_num_key_heads=linear_heads // 2, linear_key_head_dim=linear_head_dim,
+                linear_value_head_dim=linear_head_dim, num_experts=experts,
+                num_experts_per_tok=top_k, moe_intermediate_size=expert_width,
+                **_QWEN3_NEXT, **rest)
 
 
 def _gpt_oss_yarn(original_max_position_embeddings: int) -> dict:
@@ -123,28 +137,23 @@ BUILTIN_CONFIGS: dict[str, dict] = {
     # Layers 0-2 gated delta net, layer 3 gated attention (every 4th); MoE in every layer
     # but layer 1, whose plain MLP keeps both feed-forward kinds in the model. 4 value heads
     # over 2 key heads, as the real model groups them.
-    "qwen3-next-test": dict(
-        hidden_size=128, num_hidden_layers=4, intermediate_size=256, num_attention_heads=4,
-        head_dim=64, linear_num_value_heads=4, linear_num_key_heads=2, linear_key_head_dim=32,
-        linear_value_head_dim=32, num_experts=4, num_experts_per_tok=2, mlp_only_layers=[1],
-        moe_intermediate_size=64, shared_expert_intermediate_size=128, rope_theta=10000.0,
-        max_position_embeddings=4096, vocab_size=512, **_QWEN3_NEXT),
+    "qwen3-next-test": _qwen3_next(128, layers=4, heads=4, head_dim=64, linear_heads=4,
+                                   linear_head_dim=32, experts=4, top_k=2, expert_width=64,
+                                   intermediate_size=256, shared_expert_intermediate_size=128,
+                                   mlp_only_layers=[1], **_QWEN3_NEXT_SMALL),
     # CPU-sized for serving benchmarks (~90M parameters with a 49k vocabulary): 6 gated delta
     # net layers, 2 gated attention, 8 experts
-    "qwen3-next-small": dict(
-        hidden_size=512, num_hidden_layers=8, intermediate_size=1024, num_attention_heads=8,
-        head_dim=64, linear_num_value_heads=8, linear_num_key_heads=4, linear_key_head_dim=64,
-        linear_value_head_dim=64, num_experts=8, num_experts_per_tok=2, mlp_only_layers=[],
-        moe_intermediate_size=256, shared_expert_intermediate_size=512, rope_theta=10000.0,
-        max_position_embeddings=4096, vocab_size=512, **_QWEN3_NEXT),
+    "qwen3-next-small": _qwen3_next(512, layers=8, heads=8, head_dim=64, linear_heads=8,
+                                    linear_head_dim=64, experts=8, top_k=2, expert_width=256,
+                                    intermediate_size=1024, shared_expert_intermediate_size=512,
+                                    mlp_only_layers=[], **_QWEN3_NEXT_SMALL),
     # GPU-sized Qwen3-Next shapes (its heads, head dims and expert widths; 16 layers, 32
     # experts: 2.4B parameters with a 49k vocabulary), for serving benchmarks of a hybrid model
-    "qwen3-next-2b": dict(
-        hidden_size=2048, num_hidden_layers=16, intermediate_size=5120, num_attention_heads=16,
-        head_dim=256, linear_num_value_heads=32, linear_num_key_heads=16, linear_key_head_dim=128,
-        linear_value_head_dim=128, num_experts=32, num_experts_per_tok=8, mlp_only_layers=[],
-        moe_intermediate_size=512, shared_expert_intermediate_size=512, rope_theta=10000000.0,
-        max_position_embeddings=32768, vocab_size=151936, **_QWEN3_NEXT),
+    "qwen3-next-2b": _qwen3_next(2048, layers=16, heads=16, head_dim=256, linear_heads=32,
+                                 linear_head_dim=128, experts=32, top_k=8, expert_width=512,
+                                 intermediate_size=5120, shared_expert_intermediate_size=512,
+                                 mlp_only_layers=[], rope_theta=10000000.0,
+                                 max_position_embeddings=32768, vocab_size=151936),
     # Short conv at layers 0, 1 and 3, attention at 2 (LFM2's conv-conv-attention rhythm);
     # embeddings tied as in every LFM2. conv_dim is what vLLM sizes the conv state by.
     "lfm2-test": dict(
