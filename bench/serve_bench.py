@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 import sys
 import time
 from pathlib import Path
@@ -139,6 +140,24 @@ def blas_line(server_log: Path) -> str:
     lines = [line for line in server_log.read_text(errors="replace").splitlines()
              if "MLX's CPU matmuls run on" in line]
     return lines[0].split("paged_prefix worker: ")[-1] if lines else "(not logged: not the CPU)"
+
+
+def block_size(server_log: Path) -> int | None:
+    """The KV block size the platform chose, as its start-up line logged it."""
+    match = re.search(r"paged_prefix platform: worker \S+, block size (\d+)",
+                      server_log.read_text(errors="replace"))
+    return int(match.group(1)) if match else None
+
+
+def no_hit_reason(hit_rate: float, block: int | None, prefix_len: int) -> str | None:
+    """Why caching on found nothing, where the workload is the cause: vLLM hashes whole
+    blocks only, so a shared prefix shorter than one block never hits (a hybrid model's block
+    holds a state page and runs to ~1000 tokens)."""
+    if hit_rate > 0 or block is None or prefix_len >= block:
+        return None
+    return (f"no prefix hits: vLLM caches whole blocks, and this server's block is {block} "
+            f"tokens, more than the {prefix_len}-token shared prefix (--prefix-len {block} or "
+            f"more hits)")
 
 
 def run_setting(setting: str, model: str, args: argparse.Namespace) -> dict:
@@ -276,13 +295,18 @@ def main(argv=None) -> int:
     if args.breakdown:
         print(ttft_breakdown.table({f"caching {s}": results[s]["ttft_breakdown"]
                                     for s in SETTINGS}))
+    reason = no_hit_reason(on["prefix_cache_hit_rate"], block_size(args.out / "server-on.log"),
+                           args.prefix_len)
+    if reason:
+        print(reason)
     print(f"outputs identical (caching off vs on): {same} of {len(texts['off'])} requests")
     if args.random_weights and not identical:
         # the first token of each request is its TTFT's; later ones may flip on near ties
         firsts = sum(a.split()[:1] == b.split()[:1] for a, b in zip(texts["off"], texts["on"]))
-        print(f"  random weights have near-tied logits, so a different rounding (a prefix read "
-              f"from the cache vs recomputed, on a GPU) can flip a greedy token; first words "
-              f"identical in {firsts} of {len(texts['off'])}")
+        print(f"  random weights have near-tied logits (and experts), so a different rounding "
+              f"(a prefix read from the cache vs recomputed, rows batched otherwise, on a GPU) "
+              f"can flip a greedy token; first words identical in {firsts} of "
+              f"{len(texts['off'])}")
     print(f"wrote {args.out}/summary.json, ttft.png; total {time.monotonic() - start:.0f} s")
     # random weights: the run is for timing; real weights must give identical outputs
     agree = identical or bool(args.random_weights)

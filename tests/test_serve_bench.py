@@ -1,0 +1,24 @@
+"""bench/serve_bench.py's reading of the server log: the block size, and why nothing hit."""
+
+from bench import serve_bench
+
+# the platform's start-up line as vLLM's logger prints it (paged_prefix/vllm_plugin/platform.py)
+LINE = ("(APIServer pid=579) INFO 12-02 14:52:42 [platform.py:188] paged_prefix platform: "
+        "worker paged_prefix.vllm_plugin.worker.MLXWorker, block size %s, prefix caching True, "
+        "async scheduling True")
+
+
+def test_the_block_size_is_read_from_the_platforms_line(tmp_path):
+    log = tmp_path / "server-on.log"
+    log.write_text("INFO starting\n" + LINE % 1056 + "\nINFO up\n")
+    assert serve_bench.block_size(log) == 1056
+    log.write_text("INFO a log without the platform's line\n")
+    assert serve_bench.block_size(log) is None
+
+
+def test_no_hits_are_explained_only_where_the_prefix_is_shorter_than_a_block():
+    reason = serve_bench.no_hit_reason(0.0, 1056, 1024)
+    assert "1056" in reason and "1024" in reason and "--prefix-len 1056" in reason
+    assert serve_bench.no_hit_reason(0.0, 1056, 1056) is None  # the cause is elsewhere
+    assert serve_bench.no_hit_reason(0.25, 1056, 1024) is None
+    assert serve_bench.no_hit_reason(0.0, None, 1024) is None
