@@ -61,6 +61,8 @@ def test_platform_refuses_what_the_runner_cannot_do():
 
 
 @pytest.mark.parametrize("setting,flag", [
+    (lambda c: setattr(c, "speculative_config", object()), "--speculative-config"),
+    (lambda c: setattr(c, "lora_config", object()), "--enable-lora"),
     (lambda c: setattr(c.cache_config, "kv_offloading_size", 1.0), "--kv-offloading-size"),
     (lambda c: setattr(c, "kv_transfer_config", object()), "--kv-transfer-config"),
     (lambda c: setattr(c, "ec_transfer_config", object()), "--ec-transfer-config"),

@@ -45,6 +45,9 @@ def _refused_feature(vllm_config: VllmConfig) -> str | None:
     cache, offload = vllm_config.cache_config, vllm_config.offload_config
     model = vllm_config.model_config
     features = {
+        "speculative decoding (--speculative-config)":
+            vllm_config.speculative_config is not None,
+        "LoRA (--enable-lora)": vllm_config.lora_config is not None,
         "KV offloading (--kv-offloading-size)": cache.kv_offloading_size is not None,
         "a KV connector (--kv-transfer-config)": vllm_config.kv_transfer_config is not None,
         "an encoder-cache connector (--ec-transfer-config)":
@@ -151,10 +154,6 @@ class MLXPlatform(Platform):
         if parallel.world_size > 1 or parallel.data_parallel_size > 1:
             raise ValueError("paged_prefix: one worker only (tensor, pipeline and data "
                              "parallel sizes must be 1)")
-        if vllm_config.speculative_config is not None:
-            raise ValueError("paged_prefix: speculative decoding is not supported")
-        if vllm_config.lora_config is not None:
-            raise ValueError("paged_prefix: LoRA is not supported")
         refused = _refused_feature(vllm_config)
         if refused:
             raise ValueError(f"paged_prefix: {refused} is not supported by this worker")
