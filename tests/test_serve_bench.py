@@ -1,16 +1,18 @@
 """bench/serve_bench.py's reading of the server log: the block size, and why nothing hit."""
 
 from bench import serve_bench
+from paged_prefix.vllm_plugin.platform import CONFIG_LINE, WORKER_CLS
 
-# the platform's start-up line as vLLM's logger prints it (paged_prefix/vllm_plugin/platform.py)
-LINE = ("(APIServer pid=579) INFO 12-02 14:52:42 [platform.py:188] paged_prefix platform: "
-        "worker paged_prefix.vllm_plugin.worker.MLXWorker, block size %s, prefix caching True, "
-        "async scheduling True")
+
+def _line(block_size: int) -> str:
+    """The platform's start-up line as vLLM's logger prints it."""
+    return ("(APIServer pid=579) INFO 12-02 14:52:42 [platform.py:188] "
+            + CONFIG_LINE % (WORKER_CLS, block_size, True, True))
 
 
 def test_the_block_size_is_read_from_the_platforms_line(tmp_path):
     log = tmp_path / "server-on.log"
-    log.write_text("INFO starting\n" + LINE % 1056 + "\nINFO up\n")
+    log.write_text("INFO starting\n" + _line(1056) + "\nINFO up\n")
     assert serve_bench.block_size(log) == 1056
     log.write_text("INFO a log without the platform's line\n")
     assert serve_bench.block_size(log) is None

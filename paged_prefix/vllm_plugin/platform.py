@@ -30,6 +30,9 @@ logger = logging.getLogger(__name__)
 
 WORKER_CLS = "paged_prefix.vllm_plugin.worker.MLXWorker"
 KV_CACHE_DTYPES = ("auto", "float16", "bfloat16")
+# the start-up line that names the block size chosen (bench/serve_bench.py reads it)
+CONFIG_LINE = ("paged_prefix platform: worker %s, block size %s, prefix caching %s, "
+               "async scheduling %s")
 
 
 def _mlx_gpu() -> bool:
@@ -184,8 +187,7 @@ class MLXPlatform(Platform):
         comp.mode = CompilationMode.NONE
         comp.cudagraph_mode = CUDAGraphMode.NONE
         comp.cudagraph_capture_sizes = []
-        logger.info("paged_prefix platform: worker %s, block size %s, prefix caching %s, "
-                    "async scheduling %s", parallel.worker_cls, cache.block_size,
+        logger.info(CONFIG_LINE, parallel.worker_cls, cache.block_size,
                     cache.enable_prefix_caching, vllm_config.scheduler_config.async_scheduling)
 
     @classmethod
