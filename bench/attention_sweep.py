@@ -4,18 +4,22 @@
 
 Points: H=32, Hkv=8, D=128, bf16, block 16, pages shuffled; context C in {0, 1024, 4096,
 16384} x new tokens Lq in {1 (a batch of 32 decode rows, each with context C), 16, 64, 512,
-4096}, plus a batch of 8 sequences with mixed prefix hits. --quick (and any machine without
-a GPU kernel backend) shrinks the sizes.
+4096}, plus a batch of 8 sequences with mixed prefix hits, plus sliding-window points
+W<window>_C<cached>_... (a window of 4096 over contexts of 16384 and 32768). --quick (and any
+machine without a GPU kernel backend) shrinks the sizes.
 
-Paths: ceiling = SDPA on K/V that are already contiguous (no paging at all); reference = MLX
-gather + SDPA; sdpa = SDPA over the new K/V (C = 0) or pages copied by the backend's gather
-kernel; kernel = the backend's paged kernel; auto = the dispatcher's choice for a shape asked
-for before (its steady state: rules.CudaSdpaRule); gather = the gather kernel alone (its GB/s
-counts bytes read + written).
+Paths: ceiling = SDPA on K/V that are already contiguous (no paging at all; at a windowed
+point only the keys from the first one a new query sees, with the causal mask, so that cuDNN
+runs it: its first queries see up to Lq - 1 keys past their window, work the other paths
+skip); reference = MLX gather + SDPA; sdpa = SDPA over the new K/V (C = 0) or pages copied
+by the backend's gather kernel; kernel = the backend's paged kernel; auto = the dispatcher's
+choice for a shape asked for before (its steady state: rules.CudaSdpaRule); gather = the
+gather kernel alone (its GB/s counts bytes read + written).
 
 Per path: microseconds per call, TFLOP/s with FLOPs = 4 H D Lq (C + (Lq + 1) / 2) per
-sequence, and effective GB/s = (K/V read + q + out bytes) / time. Timing: one mx.eval round
-trip costs 50-100 us, so each sample evaluates K independent calls at once and divides; the
+sequence (4 H D times the keys each query sees: its window's at a windowed point), and
+effective GB/s = (visible K/V read + q + out bytes) / time. Timing: one mx.eval round trip
+costs 50-100 us, so each sample evaluates K independent calls at once and divides; the
 median of the samples is reported. That is host time per call wherever MLX's cost of building
 and launching a call exceeds its GPU work, so on CUDA the ceiling, kernel and auto paths are
 also timed on the GPU alone (`gpu_time.gpu_us_together`): GPU_CALLS of the same independent
@@ -29,7 +33,7 @@ import argparse
 import json
 import statistics
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import mlx.core as mx
@@ -54,16 +58,24 @@ class Point:
     name: str
     q_lens: list[int]
     ctx_lens: list[int]
+    window: int | None = None
+
+    @property
+    def geometry(self) -> Geometry:
+        return replace(GEOMETRY, window=self.window)
 
 
 def point_named(name: str) -> Point:
     """A one-sequence point by its sweep name, C<cached>_Lq<new>, or a decode batch,
-    C<cached>_decode<rows>; the sweep's points and others alike."""
-    cached, new = name[1:].split("_")
+    C<cached>_decode<rows>, either after W<window>_ for a windowed one; the sweep's points and
+    others alike."""
+    parts = name.split("_")
+    window = int(parts.pop(0)[1:]) if parts[0].startswith("W") else None
+    cached, new = int(parts[0][1:]), parts[1]
     if new.startswith("decode"):
         rows = int(new[len("decode"):])
-        return Point(name, [1] * rows, [int(cached)] * rows)
-    return Point(name, [int(new[len("Lq"):])], [int(cached)])
+        return Point(name, [1] * rows, [cached] * rows, window)
+    return Point(name, [int(new[len("Lq"):])], [cached], window)
 
 
 def sweep_points(quick: bool) -> list[Point]:
@@ -81,6 +93,9 @@ def sweep_points(quick: bool) -> list[Point]:
     if quick:
         q_mixed, c_mixed = [max(1, q // 16) for q in q_mixed], [c // 16 for c in c_mixed]
     points.append(Point("mixed8", q_mixed, c_mixed))
+    window, windowed = (64, ["C256_Lq16", "C256_decode4"]) if quick else (
+        4096, ["C16384_Lq512", "C32768_Lq512", "C16384_Lq4096", "C32768_decode32"])
+    points += [point_named(f"W{window}_{name}") for name in windowed]
     return points
 
 
@@ -125,18 +140,25 @@ def make_case(point: Point, seed: int = 0) -> Case:
     return Case(q, k_new, v_new, k_cache, v_cache, meta, k_seqs, v_seqs, q_seqs)
 
 
-def ceiling_fn(case: Case, scale: float):
-    """SDPA on already-contiguous K/V: what attention costs with no paging at all."""
+def ceiling_fn(case: Case, g: Geometry):
+    """SDPA on already-contiguous K/V: what attention costs with no paging at all. With a
+    window, over each sequence's keys from its first visible one (`key_starts`) on, copied out
+    beforehand, with the causal mask: cuDNN's kernel, where a window's mask would take MLX's
+    unfused fallback (docs/results.md, "Sliding windows")."""
+    starts = case.meta.lengths.key_starts(g.window)
+    ks = [mx.contiguous(k[:, :, int(s):]) for k, s in zip(case.k_seqs, starts)]
+    vs = [mx.contiguous(v[:, :, int(s):]) for v, s in zip(case.v_seqs, starts)]
+    mx.eval(ks, vs)
     decode = all(q.shape[2] == 1 for q in case.q_seqs) and len(case.q_seqs) > 1 and \
-        len({k.shape[2] for k in case.k_seqs}) == 1
+        len({k.shape[2] for k in ks}) == 1
     if decode:  # equal-length decode rows: one batched call
-        qb, kb, vb = (mx.concatenate(x, axis=0) for x in (case.q_seqs, case.k_seqs, case.v_seqs))
+        qb, kb, vb = (mx.concatenate(x, axis=0) for x in (case.q_seqs, ks, vs))
         mx.eval(qb, kb, vb)
-        return lambda: mx.fast.scaled_dot_product_attention(qb, kb, vb, scale=scale)
+        return lambda: mx.fast.scaled_dot_product_attention(qb, kb, vb, scale=g.scale)
     return lambda: [
-        mx.fast.scaled_dot_product_attention(q, k, v, scale=scale,
+        mx.fast.scaled_dot_product_attention(q, k, v, scale=g.scale,
                                              mask="causal" if q.shape[2] > 1 else None)
-        for q, k, v in zip(case.q_seqs, case.k_seqs, case.v_seqs)]
+        for q, k, v in zip(case.q_seqs, ks, vs)]
 
 
 def checked(parts, args):
@@ -150,15 +172,15 @@ def checked(parts, args):
     return call
 
 
-def path_fns(case: Case, backend_name: str | None) -> dict:
+def path_fns(case: Case, g: Geometry, backend_name: str | None) -> dict:
     """Each path as a zero-argument call, plans built once (as a forward would)."""
-    m, g = case.meta, GEOMETRY
+    m = case.meta
     lengths, tables = m.lengths, m.block_tables
     args = (case.q, case.k_new, case.v_new, case.k_cache, case.v_cache)
-    fns = {"ceiling": ceiling_fn(case, g.scale),
+    fns = {"ceiling": ceiling_fn(case, g),
            "reference": lambda: reference.paged_attention(
                case.q, case.k_cache, case.v_cache, tables, lengths.cu_seqlens_q,
-               lengths.seq_lens, g.scale)}
+               lengths.seq_lens, g.scale, window=g.window)}
     backend = available_backends().get(backend_name)
     cached = tuple(s for s in range(lengths.num_seqs) if lengths.seq_lens[s] > lengths.q_lens[s])
     fresh = tuple(s for s in range(lengths.num_seqs) if s not in cached)
@@ -167,17 +189,17 @@ def path_fns(case: Case, backend_name: str | None) -> dict:
     if cached:
         sdpa.append((gathered, gathered.plan(lengths, g, tables, cached)))
     fns["sdpa"] = checked(sdpa, args)  # every cached prefix gathered
-    if backend:
+    if backend and backend.attention.unsupported_reason(g) is None:
         fns["kernel"] = checked([(backend.attention, backend.attention.plan(lengths, g, tables))],
                                 args)
-        if cached:
-            gather_plan = sdpa[-1][1].gather
+    if backend and cached and gathered is backend.gathered:
+        gather_plan = sdpa[-1][1].gather
 
-            def gather():
-                backend.gathered.gather.check(case.k_cache, case.v_cache, gather_plan)
-                return backend.gathered.gather.launch(case.k_cache, case.v_cache, tables,
-                                                      gather_plan)
-            fns["gather"] = gather
+        def gather():
+            backend.gathered.gather.check(case.k_cache, case.v_cache, gather_plan)
+            return backend.gathered.gather.launch(case.k_cache, case.v_cache, tables,
+                                                  gather_plan)
+        fns["gather"] = gather
     dispatcher = Dispatcher("auto")
     dispatcher.plan(m, g)  # a shape's first request runs the kernel (rules.CudaSdpaRule)
     auto = dispatcher.plan(m, g)  # the route from then on
@@ -201,30 +223,36 @@ def time_per_call(fn, budget_s: float = 0.03, samples: int = 5) -> float:
 
 
 def point_cost(point: Point) -> tuple[float, float, float]:
-    """(FLOPs, bytes moved by attention, bytes read + written by the gather) of one call."""
-    flops = sum(4 * HEADS * HEAD_DIM * lq * (c + (lq + 1) / 2)
-                for lq, c in zip(point.q_lens, point.ctx_lens))
+    """(FLOPs, bytes moved by attention, bytes read + written by the gather) of one call: the
+    keys each query sees, and the visible keys read, those of its window at a windowed point."""
+    w = point.window
+    seen = [sum(p + 1 if w is None else min(w, p + 1) for p in range(c, c + lq))
+            for lq, c in zip(point.q_lens, point.ctx_lens)]
+    visible = [lq + c - int(reference.key_start(c, w)) for lq, c in
+               zip(point.q_lens, point.ctx_lens)]
+    flops = sum(4 * HEADS * HEAD_DIM * n for n in seen)
     elem = 2  # bf16
-    kv = sum(2 * (lq + c) * KV_HEADS * HEAD_DIM * elem for lq, c in zip(point.q_lens, point.ctx_lens))
+    kv = sum(2 * n * KV_HEADS * HEAD_DIM * elem for n in visible)
     qo = 2 * sum(point.q_lens) * HEADS * HEAD_DIM * elem
-    gathered = sum(2 * 2 * (lq + c) * KV_HEADS * HEAD_DIM * elem
-                   for lq, c in zip(point.q_lens, point.ctx_lens) if c > 0)
+    gathered = sum(2 * 2 * n * KV_HEADS * HEAD_DIM * elem
+                   for n, c in zip(visible, point.ctx_lens) if c > 0)
     return flops, kv + qo, gathered
 
 
 def run_point(point: Point, backend_name: str | None) -> dict:
     case = make_case(point)
-    fns, auto_path = path_fns(case, backend_name)
+    fns, auto_path = path_fns(case, point.geometry, backend_name)
     flops, nbytes, gathered = point_cost(point)
     row = {"point": point.name, "q_lens": point.q_lens, "ctx_lens": point.ctx_lens,
-           "flops": flops, "bytes": nbytes, "gather_bytes": gathered, "auto_path": auto_path}
+           "window": point.window, "flops": flops, "bytes": nbytes, "gather_bytes": gathered,
+           "auto_path": auto_path}
     for name, fn in fns.items():
         sec = time_per_call(fn)
         moved = gathered if name == "gather" else nbytes
         row[name] = {"us": sec * 1e6, "tflops": flops / sec / 1e12, "gbps": moved / sec / 1e9}
     row["auto_over_ceiling"] = row["auto"]["us"] / row["ceiling"]["us"]
     if backend_name == "cuda":
-        for name in GPU_PATHS:
+        for name in (p for p in GPU_PATHS if p in fns):
             us = gpu_us_together([fns[name]] * GPU_CALLS)
             row[name].update(gpu_us=us, gpu_gbps=nbytes / us / 1e3)
         row["gpu_auto_over_ceiling"] = row["auto"]["gpu_us"] / row["ceiling"]["gpu_us"]
@@ -249,7 +277,8 @@ def print_table(rows: list[dict]) -> None:
         line = (f"{r['point']:<16}" + "".join(f"{r[c]['us']:>12.1f}" for c in cols) + kern
                 + gath + f"{r['auto_over_ceiling']:>10.2f}  {r['auto_path']:<10}")
         if gpu:
-            line += (f"{r['ceiling']['gpu_us']:19.1f}{r['kernel']['gpu_us']:9.1f}"
+            kern_us = f"{r['kernel']['gpu_us']:9.1f}" if "kernel" in r else f"{'-':>9}"
+            line += (f"{r['ceiling']['gpu_us']:19.1f}{kern_us}"
                      f"{r['auto']['gpu_us']:9.1f}{r['gpu_auto_over_ceiling']:10.2f}"
                      f"{r['auto']['gpu_gbps']:10.0f}")
         print(line, flush=True)

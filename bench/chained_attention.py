@@ -125,8 +125,8 @@ def main() -> None:
     if backend is None:
         raise SystemExit("no GPU kernel backend on this machine")
     only = set(args.only.split(",")) if args.only else None
-    points = [p for p in sweep_points(False) if (len(p.q_lens) == 1 or is_decode(p))
-              and (only is None or p.name in only)]
+    points = [p for p in sweep_points(False) if p.window is None
+              and (len(p.q_lens) == 1 or is_decode(p)) and (only is None or p.name in only)]
     rows = []
     gpu = backend.attention.name == "cuda"
     print(f"{'point':<14}{'ceiling us':>11}{'kernel us':>11}{'auto us':>10}"
