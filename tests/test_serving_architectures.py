@@ -23,12 +23,14 @@ from mlx_lm.generate import generate_step
 from paged_prefix.model_loader import load_model, read_config
 
 from .mlx_lm_oracle import MlxLmOracle
-from .serving_architectures_driver import GREEDY_TOKENS
+from .serving_architectures_driver import GREEDY_TOKENS, WINDOW_HITS
 from .serving_support import driver_fixtures
 
 DRIVER = Path(__file__).with_name("serving_architectures_driver.py")
 MODELS = ("llama3-test", "mistral-test", "gemma2-test", "gemma3-test", "gpt-oss-test",
           "qwen3-moe-test", "mixtral-test")
+# the configs with sliding-window layers (window 20)
+WINDOWED = ("llama3-test", "mistral-test", "gemma2-test", "gemma3-test", "gpt-oss-test")
 # mlx-lm's class runs these configs' attention in full, windows included
 WHOLE_IN_MLX_LM = ("llama3-test", "gemma3-test", "gpt-oss-test", "qwen3-moe-test", "mixtral-test")
 
@@ -37,9 +39,9 @@ WHOLE_IN_MLX_LM = ("llama3-test", "gemma3-test", "gpt-oss-test", "qwen3-moe-test
 folders, runs = driver_fixtures("architectures", MODELS, DRIVER)
 
 
-def mlx_lm_greedy(folder: Path, prompt: list[int]) -> list[int]:
+def mlx_lm_greedy(folder: Path, prompt: list[int], tokens: int = GREEDY_TOKENS) -> list[int]:
     model = load_model(folder)
-    return MlxLmOracle(model, read_config(folder)).greedy(prompt, GREEDY_TOKENS)[1]
+    return MlxLmOracle(model, read_config(folder)).greedy(prompt, tokens)[1]
 
 
 def requests(run: dict) -> list[dict]:
@@ -74,3 +76,18 @@ def test_the_second_pass_hits_the_shared_prefix(name, runs):
     # the second pass finds each whole prompt's blocks: 64 tokens, all but the last block
     assert [r["num_cached_tokens"] for r in second] == [48, 48, 48]
     assert long[0]["num_cached_tokens"] == 0 and len(long[0]["prompt_token_ids"]) == 300
+
+
+@pytest.mark.parametrize("name", WINDOWED)
+def test_hits_ending_before_at_and_past_the_window(name, runs, folders):
+    """In 4-token blocks, prompts sharing the first 16, 20 and 48 tokens of primers cached
+    before them hit exactly those: their first new query's window (20 keys) reaches the
+    prompt's start, starts at key 1, and lies in the cached prefix, whose blocks left of it
+    vLLM no longer holds; greedy tokens as with caching off and as mlx-lm's."""
+    off, on = runs[name]["window hits"]["off"], runs[name]["window hits"]["on"]
+    assert [r["num_cached_tokens"] for r in on["passes"][1]] == list(WINDOW_HITS)
+    for got_off, got_on in zip(requests(off), requests(on)):
+        want = mlx_lm_greedy(folders[name], got_off["prompt_token_ids"],
+                             len(got_off["token_ids"]))
+        assert got_off["prompt_token_ids"] == got_on["prompt_token_ids"]
+        assert got_off["token_ids"] == got_on["token_ids"] == want
