@@ -24,7 +24,14 @@ from pathlib import Path
 
 from bench import multi_turn, serve_plot
 from bench.mlx_lm_server import MlxLmServer
-from bench.serve_bench import blas_line, client_command, client_metrics, num_requests, workload_text
+from bench.serve_bench import (
+    blas_line,
+    client_command,
+    client_metrics,
+    multi_turn_workload,
+    num_requests,
+    workload_text,
+)
 from bench.serve_progress import run_client, server_log_status
 from bench.vllm_server import VllmServer
 
@@ -45,13 +52,6 @@ def _server(kind: str, model: str, args: argparse.Namespace, out: Path):
     return VllmServer(model, ["--enable-prefix-caching", "--max-model-len", str(args.max_model_len),
                               "--kv-cache-memory-bytes", str(args.kv_cache_memory_bytes),
                               "--seed", str(args.seed)], out / "server-paged_prefix.log")
-
-
-def multi_turn_workload(args: argparse.Namespace) -> multi_turn.Workload:
-    default = multi_turn.Workload()
-    return multi_turn.Workload(conversations=args.conversations or default.conversations,
-                               turns=args.turns or default.turns, output_len=args.output_len,
-                               seed=args.seed)
 
 
 def run_server(kind: str, model: str, args: argparse.Namespace) -> dict:

@@ -69,10 +69,14 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="instead of caching off vs on: paged_prefix (caching on) vs mlx-lm's "
                         "own server on the same folder, all at once, one at a time and "
                         "multi-turn (bench/serve_against.py)")
-    p.add_argument("--conversations", type=int, default=None,
-                   help="with --against: multi-turn conversations at once (default 4)")
-    p.add_argument("--turns", type=int, default=None,
-                   help="with --against: turns per conversation (default 6)")
+    default_turns = multi_turn.Workload()
+    p.add_argument("--conversations", type=int, default=default_turns.conversations,
+                   help="multi-turn (--multi-turn, --against): conversations at once")
+    p.add_argument("--turns", type=int, default=default_turns.turns,
+                   help="multi-turn: turns per conversation")
+    p.add_argument("--system-words", type=int, default=default_turns.system_words,
+                   help="multi-turn: words of the conversations' shared opening (a hybrid "
+                        "model's ~1000-token block needs a context past one block to hit)")
     p.add_argument("--multi-turn", action="store_true",
                    help="after the prefix-repetition client, also bench/multi_turn.py's "
                         "conversations against each server (TTFT per turn; hits and prefill "
@@ -87,18 +91,24 @@ def parse_args(argv=None) -> argparse.Namespace:
     for name in ("num_prefixes", "prompts_per_prefix", "prefix_len", "suffix_len", "output_len"):
         if getattr(args, name) < 1:
             raise ValueError(f"--{name.replace('_', '-')}: expected >= 1, got {getattr(args, name)}")
-    if args.against and args.random_weights:
-        raise ValueError("--against: mlx-lm serves real folders; drop --random-weights")
     if args.against and args.max_concurrency is not None:
         raise ValueError("--max-concurrency: --against runs all at once and one at a time")
     if not args.against and args.max_concurrency is None:
         args.max_concurrency = DEFAULT_CONCURRENCY
     if args.max_concurrency is not None and args.max_concurrency < 0:
         raise ValueError(f"--max-concurrency: expected >= 0, got {args.max_concurrency}")
-    for name in ("conversations", "turns"):
-        if getattr(args, name) is not None and not args.against:
-            raise ValueError(f"--{name}: only with --against (the multi-turn workload)")
+    try:  # before any server starts
+        multi_turn_workload(args)
+    except ValueError as e:
+        raise ValueError(f"--{str(e).replace('_', '-')}") from None
     return args
+
+
+def multi_turn_workload(args: argparse.Namespace) -> multi_turn.Workload:
+    """The conversations of --multi-turn and --against (ValueError naming a bad size)."""
+    return multi_turn.Workload(conversations=args.conversations, turns=args.turns,
+                               system_words=args.system_words, output_len=args.output_len,
+                               seed=args.seed)
 
 
 def client_command(url: str, served_name: str, tokenizer: str, args: argparse.Namespace,
@@ -179,8 +189,7 @@ def run_setting(setting: str, model: str, args: argparse.Namespace) -> dict:
         turns = None
         if args.multi_turn:
             print(f"[{label}] multi-turn conversations", flush=True)
-            turns = multi_turn.run(server.url, server.served_name,
-                                   multi_turn.Workload(seed=args.seed))
+            turns = multi_turn.run(server.url, server.served_name, multi_turn_workload(args))
             turns.update(cache_counts(server.metrics(), metrics))
     detail = json.loads((args.out / result_file).read_text())
     result = client_metrics(detail)
