@@ -21,6 +21,9 @@ CUDA_SDPA_MIN_Q = 256
 # new tokens, up to 2048 of them; cuDNN keeps longer suffixes.
 CUDA_PREFILL_MIN_CTX_PER_Q = 4
 CUDA_PREFILL_MAX_Q = 2048
+WINDOW_MASK_REASON = ("where the window cuts a prefill's keys, SDPA's mask takes MLX's unfused "
+                      "fallback (8.8x the paged kernel on the H200 at W=4096, C=16384, Lq=4096): "
+                      "those stay on the kernels")
 # MLX's own cache of cuDNN SDPA graphs (mlx/backend/cuda/scaled_dot_product_attention.cpp).
 SDPA_CACHE_ENV, DEFAULT_SDPA_CACHE_SIZE = "MLX_CUDA_SDPA_CACHE_SIZE", 256
 # Unmeasured on Apple hardware: only fresh long prompts (mlx-lm's own path) leave the kernel.
@@ -68,7 +71,9 @@ class CudaSdpaRule:
     of >= CUDA_PREFILL_MIN_CTX_PER_Q x its new tokens (at most CUDA_PREFILL_MAX_Q) goes to it
     whatever came before, and so does any other picked sequence with a cached prefix whose graph
     is not built. Both memories hold MLX_CUDA_SDPA_CACHE_SIZE shapes, least recently used first
-    out, as MLX's own graph cache does.
+    out, as MLX's own graph cache does. A windowed sequence whose window cuts its keys never
+    goes to SDPA (WINDOW_MASK_REASON): the prefill kernel where it can take it, else the paged
+    kernel keeps it.
     """
 
     def __init__(self, capacity: int | None = None, prefill=None):
@@ -97,10 +102,17 @@ class CudaSdpaRule:
             return None
         g, q_lens, seq_lens = geometry, lengths.q_lens, lengths.seq_lens
         prefill_runs = self.prefill is not None and self.prefill.unsupported_reason(g) is None
-        first = [s for s in pick.seqs if prefill_runs and s not in runs and
-                 q_lens[s] <= CUDA_PREFILL_MAX_Q and
-                 seq_lens[s] - q_lens[s] >= CUDA_PREFILL_MIN_CTX_PER_Q * q_lens[s]]
-        rest = [s for s in pick.seqs if s not in first]
+        starts = lengths.key_starts(g.window)
+        masked = [s for s in pick.seqs if g.window is not None and
+                  seq_lens[s] - starts[s] > g.window]
+
+        def prefill_first(s: int) -> bool:
+            if not prefill_runs or q_lens[s] > CUDA_PREFILL_MAX_Q or seq_lens[s] == q_lens[s]:
+                return False
+            return s in masked or (s not in runs and seq_lens[s] - q_lens[s] >=
+                                   CUDA_PREFILL_MIN_CTX_PER_Q * q_lens[s])
+        first = [s for s in pick.seqs if prefill_first(s)]
+        rest = [s for s in pick.seqs if s not in first and s not in masked]
         shapes = {s: (g.num_heads, g.num_kv_heads, g.head_dim, g.dtype, int(q_lens[s]),
                       int(seq_lens[s]), bool(q_lens[s] == seq_lens[s]) or s in runs)
                   for s in rest}
@@ -120,6 +132,8 @@ class CudaSdpaRule:
         if not seqs:
             return None
         reason = pick.reason + (why_sdpa if sdpa else "")
+        if masked:
+            reason += "; " + WINDOW_MASK_REASON
         if prefill:
             reason += (f"; the prefill kernel for {len(prefill)} of them (cached prefixes read "
                        f"from their pages: >= {CUDA_PREFILL_MIN_CTX_PER_Q}x the new tokens, or "

@@ -142,6 +142,31 @@ def test_rule_reads_a_run_of_pages_in_place_once_its_graph_is_built():
     assert (mixed.seqs, mixed.prefill) == ((1, 2), (1, 2))  # 700 over 700, 600 uncached
 
 
+@pytest.mark.parametrize("q_lens,ctx_lens,window,prefill,sdpa", [
+    ([4096], [16384], 4096, (), ()),     # cut by the window, too long for the prefill kernel
+    ([512], [16384], 4096, (0,), ()),    # cut: the prefill kernel, run of pages or not
+    ([512], [1024], 4096, (), (0,)),     # 1536 keys inside the window: SDPA, its graph built
+    ([4096], [0], 4096, (), (0,)),       # a fresh prompt of one window: causal SDPA
+    ([8192], [0], 4096, (), ()),         # a fresh prompt of two windows: the paged kernel
+])
+def test_a_window_that_cuts_the_keys_keeps_the_prefill_off_sdpa(q_lens, ctx_lens, window,
+                                                                 prefill, sdpa):
+    """MLX's SDPA takes a window's mask through its unfused fallback (8.8x the paged kernel at
+    W=4096, C=16384, Lq=4096 on the H200), so such a prefill never goes to SDPA, laid out in
+    one run of pages or not, asked for before or not."""
+    g = Geometry(32, 8, 128, 16, mx.bfloat16, 128 ** -0.5, window=window)
+    cu, lens = np.array([0, q_lens[0]]), np.array(q_lens) + np.array(ctx_lens)
+    run = np.arange(1, 1 + -(-int(lens[0]) // 16), dtype=np.int32)[None]
+    rule = rules.CudaSdpaRule(prefill=Supports())
+    for table in (None, run, None, run):
+        pick = ask(rule, cu, lens, g, table)
+    got_prefill = pick.prefill if pick else ()
+    got_sdpa = tuple(s for s in pick.seqs if s not in pick.prefill) if pick else ()
+    assert (got_prefill, got_sdpa) == (prefill, sdpa)
+    if pick and not sdpa:
+        assert rules.WINDOW_MASK_REASON in pick.reason
+
+
 def fake_rule(lengths, g, runs):
     """The CUDA rule's prefill choice at a test's size: prefills of >= 8 tokens leave the
     paged kernel, those over a prefix of 4x go to the prefill kernel."""
