@@ -238,6 +238,11 @@ CASES = {
     # a long prefill: diagonal tiles, fully visible tiles, unsplit
     "prefill_chunk": dict(q_lens=[130], ctx_lens=[70], num_heads=4, num_kv_heads=4, head_dim=64,
                           block_size=32, dtype=mx.bfloat16),
+    # split parts that disagree by far: late keys' scores ~10x the first part's (|scale q.k| up
+    # to ~150), as test_kernels' split case for every split path
+    "splits_late_parts_dominate": dict(q_lens=[1, 2], ctx_lens=[2500, 900], num_heads=4,
+                                       num_kv_heads=2, head_dim=64, block_size=16,
+                                       dtype=mx.float16, q_scale=5.0, k_ramp=9.0),
 }
 
 
@@ -320,6 +325,12 @@ PLANTED_BUGS = {
     "fragment_layout_row_major": (
         ("const int fm = (lane & 16) / 4 + (lane & 6) / 2;", "const int fm = lane / 4;"),
         "prefill_chunk"),
+    # the defect an independent check found untested: no case had late parts far above the
+    # first, so a merge that rescales by the first part's max (overflowing where a later one is
+    # larger) passed every case but the one made for it
+    "merge_rescales_by_the_first_split": (
+        ("for (int s = 0; s < nsplit; ++s) top = max(top, lse_part[long(first + s) * BLOCK_Q + row]);",
+         "top = lse_part[long(first) * BLOCK_Q + row];"), "splits_late_parts_dominate"),
     "merge_drops_a_split": (
         ("for (int s = 0; s < nsplit; ++s) {\n      const long part",
          "for (int s = 1; s < nsplit; ++s) {\n      const long part"), "decode_rows"),
