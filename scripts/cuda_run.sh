@@ -35,3 +35,4 @@ python3 -m bench.window_cost --out "$out/window_cost.json" 2>&1 | tee "$out/wind
 python3 -m bench.probes.host_ops 2>&1 | tee "$out/host_ops.txt"
 python3 -m bench.probes.sdpa_new_shapes --out "$out/new_shapes.json" 2>&1 | tee "$out/new_shapes.txt"
 python3 -m bench.probes.pool_copies --out "$out/pool_copies.json" 2>&1 | tee "$out/pool_copies.txt"
+python3 -m bench.probes.gather_canary 2>&1 | tee "$out/gather_canary.txt"

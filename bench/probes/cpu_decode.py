@@ -1,0 +1,124 @@
+"""Where a decode step on MLX's CPU backend costs more than mlx-lm's: the attention's K/V copy.
+
+    python -m bench.probes.cpu_decode [--contexts 448 1024] [--rounds 12]
+
+Two measurements, each interleaved round by round:
+  step       SmolLM2-135M float32 (convert_smollm2's folder), one row over C cached tokens:
+             mlx-lm's model over its own cache against the paged runner (forward + argmax);
+  attention  one layer's attention of that model (9 heads, 3 kv heads, D 64) for a decode row,
+             30 layers' worth per evaluation: SDPA over mlx-lm's head-major cache as it reads
+             it (a slice of [1, Hkv, T, D]); the runner's CPU path over the paged cache's
+             token-major rows (`reference.masked_sdpa` copies them head-major first); that copy
+             alone; SDPA over the token-major rows with no copy.
+The paged cache keeps vLLM's token-major layout [blocks, block_size, Hkv, D]; MLX's CPU matmul
+takes a matrix only with unit stride in one dimension and the other equal to its width, so
+each kv head's rows (stride Hkv * D) are copied, or strided through, every layer and step.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+import mlx.core as mx
+import numpy as np
+from mlx_lm import load
+from mlx_lm.models.cache import make_prompt_cache
+
+import reference
+from paged_prefix.convert_smollm2 import smollm2_folder
+from paged_prefix.kv_cache import PagedKVCache
+from paged_prefix.metadata import ScheduledRequest, build_batch_metadata
+from paged_prefix.runner import PagedModelRunner
+
+BLOCK_SIZE, LAYERS = 16, 30
+HEADS, KV_HEADS, HEAD_DIM = 9, 3, 64
+
+
+def median_ms(times: list[float]) -> float:
+    return 1e3 * statistics.median(times)
+
+
+def step_times(context: int, rounds: int) -> dict[str, float]:
+    folder = str(smollm2_folder("float32"))
+    dense, _ = load(folder)
+    paged, _ = load(folder)
+    args = dense.args
+    num_blocks = (context + rounds) // BLOCK_SIZE + 2
+    kv = PagedKVCache(args.num_hidden_layers, num_blocks, BLOCK_SIZE, args.num_key_value_heads,
+                      args.hidden_size // args.num_attention_heads, mx.float32)
+    runner = PagedModelRunner(paged, kv)
+    tokens = np.random.default_rng(0).integers(3, args.vocab_size, context + rounds).tolist()
+    blocks = list(range(1, num_blocks))
+    runner.greedy(build_batch_metadata(
+        [ScheduledRequest("r", tokens[:context], context, 0, context, blocks)],
+        BLOCK_SIZE, num_blocks))
+    cache = make_prompt_cache(dense)
+    mx.eval(dense(mx.array([tokens[:context]]), cache=cache))
+    times: dict[str, list[float]] = {"mlx-lm": [], "paged runner": []}
+    for i in range(rounds):
+        n = context + i
+        start = time.perf_counter()
+        runner.greedy(build_batch_metadata(
+            [ScheduledRequest("r", tokens[:n + 1], context, n, 1, blocks)], BLOCK_SIZE,
+            num_blocks))
+        times["paged runner"].append(time.perf_counter() - start)
+        start = time.perf_counter()
+        logits = dense(mx.array([[tokens[n]]]), cache=cache)
+        mx.eval(mx.argmax(logits[:, -1], axis=-1), [c.state for c in cache])
+        times["mlx-lm"].append(time.perf_counter() - start)
+    return {k: median_ms(v[2:]) for k, v in times.items()}
+
+
+def attention_times(context: int, rounds: int) -> dict[str, float]:
+    scale = HEAD_DIM ** -0.5
+    normal = mx.random.normal
+    q = [normal((1, HEADS, 1, HEAD_DIM)) for _ in range(LAYERS)]
+    # mlx-lm's cache: [1, Hkv, allocated, D], read as a slice; the paged cache's token rows
+    heads_major = [(normal((1, KV_HEADS, context + 256, HEAD_DIM)),) * 2 for _ in range(LAYERS)]
+    rows = [(normal((4 * context, KV_HEADS, HEAD_DIM)),) * 2 for _ in range(LAYERS)]
+    mx.eval(q, heads_major, rows)
+    visible = slice(context, 2 * context)
+
+    def sdpa(i, k, v):
+        return mx.fast.scaled_dot_product_attention(q[i], k, v, scale=scale)
+
+    cases = {
+        "mlx-lm's cache": lambda: [sdpa(i, k[:, :, :context], v[:, :, :context])
+                                   for i, (k, v) in enumerate(heads_major)],
+        "runner (copy + SDPA)": lambda: [reference.masked_sdpa(
+            q[i], reference.heads_first(k[visible]), reference.heads_first(v[visible]), scale,
+            None) for i, (k, v) in enumerate(rows)],
+        "the copy alone": lambda: [mx.contiguous(reference.heads_first(x[visible]))
+                                   for pair in rows for x in pair],
+        "SDPA, no copy": lambda: [sdpa(i, reference.heads_first(k[visible]),
+                                       reference.heads_first(v[visible]))
+                                  for i, (k, v) in enumerate(rows)],
+    }
+    times: dict[str, list[float]] = {name: [] for name in cases}
+    for _ in range(rounds):
+        for name, build in cases.items():
+            start = time.perf_counter()
+            mx.eval(build())
+            times[name].append(time.perf_counter() - start)
+    return {k: median_ms(v[2:]) for k, v in times.items()}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--contexts", type=int, nargs="+", default=[448, 1024])
+    parser.add_argument("--rounds", type=int, default=12)
+    a = parser.parse_args()
+    for context in a.contexts:
+        step = step_times(context, a.rounds)
+        print(f"C={context} decode step (ms): " + ", ".join(
+            f"{k} {v:.1f}" for k, v in step.items()) +
+            f"; runner / mlx-lm {step['paged runner'] / step['mlx-lm']:.3f}")
+        attn = attention_times(context, a.rounds)
+        print(f"C={context} attention, {LAYERS} layers (ms): " + ", ".join(
+            f"{k} {v:.2f}" for k, v in attn.items()))
+
+
+if __name__ == "__main__":
+    main()
