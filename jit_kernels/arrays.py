@@ -28,24 +28,39 @@ def device_array(host: np.ndarray) -> mx.array:
 
 def as_pages(cache: mx.array, geometry: Geometry) -> mx.array:
     """A cache array as [num_blocks, BS, Hkv, D] of the geometry's dtype, as a view of its
-    bytes: a `PagedKVCache` stores its rows as 4-byte words, [num_blocks * BS, Hkv, words]."""
+    bytes: a `PagedKVCache` stores its rows as 4-byte words, [num_blocks * BS, Hkv, words], or
+    with a heads-major geometry [Hkv, num_blocks * BS, words] (then a strided view)."""
     g = geometry
+    if cache.ndim == 4 and cache.shape[1:] == (g.block_size, g.num_kv_heads, g.head_dim) \
+            and cache.dtype == g.dtype:
+        return cache
+    if g.heads_major:
+        return _heads(cache, g).reshape(g.num_kv_heads, -1, g.block_size, g.head_dim) \
+            .transpose(1, 2, 0, 3)
     if cache.dtype != g.dtype:
         cache = cache.view(g.dtype)
-    if cache.ndim == 4 and cache.shape[1:] == (g.block_size, g.num_kv_heads, g.head_dim):
-        return cache
     return cache.reshape(-1, g.block_size, g.num_kv_heads, g.head_dim)
 
 
 def as_rows(cache: mx.array, geometry: Geometry) -> mx.array:
     """A cache array as [num_blocks * BS, Hkv, D] of the geometry's dtype: its token rows, as a
-    view of its bytes (the stored form, or pages)."""
+    view of its bytes (the stored form, or pages; heads-major: a strided view)."""
     g = geometry
+    if g.heads_major:
+        return _heads(cache, g).transpose(1, 0, 2)
     if cache.dtype != g.dtype:
         cache = cache.view(g.dtype)
     if cache.ndim == 3 and cache.shape[1:] == (g.num_kv_heads, g.head_dim):
         return cache
     return cache.reshape(-1, g.num_kv_heads, g.head_dim)
+
+
+def _heads(cache: mx.array, g: Geometry) -> mx.array:
+    """A heads-major cache as stored, [Hkv, rows, D] of the geometry's dtype."""
+    if cache.ndim != 3 or cache.shape[0] != g.num_kv_heads:
+        raise ValueError(f"k_cache/v_cache: a heads-major cache is [{g.num_kv_heads} kv heads, "
+                         f"rows, words], got {cache.shape}")
+    return cache if cache.dtype == g.dtype else cache.view(g.dtype)
 
 
 def _pages(cache: mx.array, geometry: Geometry, name: str) -> mx.array:

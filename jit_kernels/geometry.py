@@ -29,7 +29,9 @@ FEATURES = ("window", "softcap", "sinks")
 class Geometry:
     """The shape of one forward's attention calls, and their variant (`reference.contract`):
     `window` W (None: full causal), `softcap` (None: none), `sinks` (the calls pass one logit
-    per query head)."""
+    per query head). `heads_major`: the cache keeps each kv head's rows together, [Hkv,
+    num_blocks * BS, D] (`arrays.as_rows`), which MLX's CPU SDPA reads in place; no kernel
+    reads it."""
 
     num_heads: int
     num_kv_heads: int
@@ -40,6 +42,7 @@ class Geometry:
     window: int | None = None
     softcap: float | None = None
     sinks: bool = False
+    heads_major: bool = False
 
     def __post_init__(self):
         for name in ("num_heads", "num_kv_heads", "head_dim", "block_size"):
@@ -50,8 +53,9 @@ class Geometry:
             raise ValueError(f"num_heads: {self.num_heads} is not a multiple of "
                              f"{self.num_kv_heads} kv heads")
         check_variant(self.window, self.softcap, None, self.num_heads)
-        if not isinstance(self.sinks, bool):
-            raise ValueError(f"sinks: expected a bool, got {self.sinks!r}")
+        for name in ("sinks", "heads_major"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name}: expected a bool, got {getattr(self, name)!r}")
 
     @property
     def group(self) -> int:
@@ -76,10 +80,15 @@ class Geometry:
                 + (f" {features}" if features else ""))
 
 
+HEADS_MAJOR_REASON = "a heads-major cache (the kernels read vLLM's token-major pages)"
+
+
 def unsupported_reason(geometry: Geometry, head_dims: tuple[int, ...],
                        features: tuple[str, ...] = ()) -> str | None:
     """Why a tensor-core kernel built for these head dims and implementing `features` cannot
     run this geometry, or None."""
+    if geometry.heads_major:
+        return HEADS_MAJOR_REASON
     missing = [f for f in geometry.features.split("+") if f and f not in features]
     if missing:
         return f"{' and '.join(missing)} (not built into this kernel)"

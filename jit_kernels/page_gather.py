@@ -25,7 +25,7 @@ import numpy as np
 
 from . import sources
 from .arrays import device_array
-from .geometry import Geometry, dtype_name
+from .geometry import HEADS_MAJOR_REASON, Geometry, dtype_name
 
 THREADS = 256
 UNROLL = 4  # 16-byte chunks each thread loads before it stores any
@@ -106,6 +106,8 @@ class PageGather:
         self._kernels: dict[tuple, object] = {}
 
     def unsupported_reason(self, geometry: Geometry) -> str | None:
+        if geometry.heads_major:
+            return HEADS_MAJOR_REASON
         if geometry.head_dim * geometry.dtype.size % 16:
             return f"rows of {geometry.head_dim} x {geometry.dtype} are not a multiple of 16 bytes"
         return None

@@ -84,14 +84,17 @@ def plan_spans(lengths: Lengths, geometry: Geometry, seqs: tuple[int, ...],
 
 
 def _attend(q: mx.array, ks: mx.array, vs: mx.array, g: Geometry, sinks,
-            calls: tuple[Span, ...]) -> mx.array:
-    """q [L, H, D] at the last positions of ks, vs [1, Hkv, Lk, D] -> [L, H, D]."""
-    if len(calls) == 1:  # no slices: each is an op a layer
+            calls: tuple[Span, ...], laid_head_major: bool = False) -> mx.array:
+    """q [L, H, D] at the last positions of ks, vs [1, Hkv, Lk, D] -> [L, H, D];
+    `laid_head_major`: ks, vs are rows of a heads-major cache, read as they lie."""
+    def sdpa(qs, k, v, mask):  # noqa: E306
         return reference.tokens_first(reference.masked_sdpa(
-            reference.heads_first(q), ks, vs, g.scale, calls[0].mask, g.softcap, sinks))
-    return mx.concatenate([reference.tokens_first(reference.masked_sdpa(
-        reference.heads_first(q[c.q0:c.q1]), ks[:, :, c.k0:c.k1], vs[:, :, c.k0:c.k1], g.scale,
-        c.mask, g.softcap, sinks)) for c in calls], axis=0)
+            reference.heads_first(qs), k, v, g.scale, mask, g.softcap, sinks,
+            kv_laid_head_major=laid_head_major))
+    if len(calls) == 1:  # no slices: each is an op a layer
+        return sdpa(q, ks, vs, calls[0].mask)
+    return mx.concatenate([sdpa(q[c.q0:c.q1], ks[:, :, c.k0:c.k1], vs[:, :, c.k0:c.k1], c.mask)
+                           for c in calls], axis=0)
 
 
 def _assemble(out: mx.array | None, rows: list[mx.array], plan: Plan) -> mx.array:
@@ -187,7 +190,8 @@ class ContiguousSdpa(_OnMlx):
                 rows = rows or (as_rows(k_cache, g), as_rows(v_cache, g))
                 ks, vs = rows[0][source], rows[1][source]
             outs.append(_attend(_q_rows(q, plan, s), reference.heads_first(ks),
-                                reference.heads_first(vs), g, sinks, calls))
+                                reference.heads_first(vs), g, sinks, calls,
+                                laid_head_major=source is not None and g.heads_major))
         return _assemble(out, outs, plan)
 
 

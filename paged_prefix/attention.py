@@ -72,10 +72,11 @@ class PagedAttention(nn.Module):
         self.window = spec.window  # read by the worker for the layer's vLLM cache spec
         self.layer = layer
 
-    def geometry(self, block_size: int, dtype: mx.Dtype) -> Geometry:
+    def geometry(self, block_size: int, dtype: mx.Dtype, heads_major: bool = False) -> Geometry:
         s = self.spec
         return Geometry(s.num_heads, s.num_kv_heads, s.head_dim, block_size, dtype, s.scale,
-                        window=s.window, softcap=s.softcap, sinks=s.sinks)
+                        window=s.window, softcap=s.softcap, sinks=s.sinks,
+                        heads_major=heads_major)
 
     def __call__(self, x: mx.array, mask=None, cache: ForwardContext | None = None) -> mx.array:
         if not isinstance(cache, ForwardContext):

@@ -10,6 +10,12 @@ reshaped view copies the whole cache first. `stored()` hands out the arrays as t
 forward passes to attention: the gather kernel reads them as bytes, with no view op per layer),
 `blocks()` the 4D view of the cache dtype.
 
+On MLX's CPU backend (`heads_major`, what the worker picks there) each array keeps a kv head's
+rows together instead, `[num_kv_heads, num_blocks * block_size, head_dim]`, as mlx-lm keeps its
+own cache: that SDPA is plain matmuls, which read a head's rows in place only when they lie
+together, and copying them out of the token-major rows cost a decode step 30-45% of mlx-lm's
+attention time (docs/cpu.md). No kernel reads it (`Geometry.heads_major`).
+
 Rows are stored as 4-byte words (a bf16 row of 128 values is 64 uint32): MLX's scatter moves
 one element per thread, so wider elements write the same bytes with fewer threads, and its GPU
 scatter takes nothing wider than 4 bytes. Readers get the cache dtype back through a zero-copy
@@ -41,6 +47,12 @@ SUPPORTED_DTYPES = (mx.float16, mx.bfloat16, mx.float32)
 MAX_SLICE_RUNS = 4
 
 
+def heads_major_here() -> bool:
+    """The layout a server picks on this device: heads-major on MLX's CPU backend (its SDPA
+    reads a kv head's rows in place), vLLM's token-major pages where the kernels run."""
+    return mx.default_device() == mx.cpu
+
+
 @dataclass(frozen=True, eq=False)
 class Slots:
     """Cache rows of one forward's new tokens, checked against one cache (`PagedKVCache.slots`)."""
@@ -64,6 +76,7 @@ class PagedKVCache:
         head_dim: int,
         dtype: mx.Dtype = mx.float16,
         layout: KVLayout | None = None,
+        heads_major: bool = False,
     ):
         for name, value in (("num_layers", num_layers), ("num_blocks", num_blocks),
                             ("block_size", block_size), ("num_kv_heads", num_kv_heads),
@@ -71,6 +84,8 @@ class PagedKVCache:
             as_int(value, name, low=1)
         if dtype not in SUPPORTED_DTYPES:
             raise ValueError(f"dtype must be one of {SUPPORTED_DTYPES}, got {dtype}")
+        if not isinstance(heads_major, bool):
+            raise ValueError(f"heads_major: expected a bool, got {heads_major!r}")
         layout = layout or KVLayout.single(num_layers)
         if not isinstance(layout, KVLayout) or layout.num_layers != num_layers:
             raise ValueError(f"layout: expected a KVLayout of {num_layers} layers, got {layout!r}")
@@ -81,13 +96,15 @@ class PagedKVCache:
         self.num_kv_heads = num_kv_heads
         self.head_dim = head_dim
         self.dtype = dtype
+        self.heads_major = heads_major
         rows = num_blocks * block_size
         # 4-byte words when a head's row divides into them (any even head_dim)
         wide = head_dim * dtype.size % 4 == 0
         self._storage = mx.uint32 if wide else dtype
-        row = (num_kv_heads, head_dim * dtype.size // 4 if wide else head_dim)
-        self._k = [mx.zeros((rows, *row), self._storage) for _ in range(layout.num_arrays)]
-        self._v = [mx.zeros((rows, *row), self._storage) for _ in range(layout.num_arrays)]
+        width = head_dim * dtype.size // 4 if wide else head_dim
+        shape = (num_kv_heads, rows, width) if heads_major else (rows, num_kv_heads, width)
+        self._k = [mx.zeros(shape, self._storage) for _ in range(layout.num_arrays)]
+        self._v = [mx.zeros(shape, self._storage) for _ in range(layout.num_arrays)]
         mx.eval(self._k, self._v)
 
     @property
@@ -141,6 +158,14 @@ class PagedKVCache:
             raise ValueError(f"keys, values: expected {want}, got {keys.shape} and {values.shape}")
         keys, values = self._stored(keys), self._stored(values)
         a = self.layout.array_of[layer]
+        if self.heads_major:  # rows along axis 1: [Hkv, T, W]
+            keys, values = keys.transpose(1, 0, 2), values.transpose(1, 0, 2)
+            for target, rows in ((self._k[a], keys), (self._v[a], values)):
+                if not slots.runs:
+                    target[:, slots.device] = rows
+                for slot, row, n in slots.runs:
+                    target[:, slot:slot + n] = rows if n == slots.count else rows[:, row:row + n]
+            return
         if not slots.runs:
             self._k[a][slots.device] = keys
             self._v[a][slots.device] = values
@@ -181,12 +206,16 @@ class PagedKVCache:
 
     def stored(self, layer: int) -> tuple[mx.array, mx.array]:
         """The layer's K and V arrays as stored: [num_blocks * block_size, num_kv_heads, W]
-        of 4-byte words (W = head_dim * dtype size / 4) or, for odd head dims, of the dtype."""
+        (heads-major: [num_kv_heads, num_blocks * block_size, W]) of 4-byte words (W =
+        head_dim * dtype size / 4) or, for odd head dims, of the dtype."""
         a = self.layout.array_of[layer]
         return self._k[a], self._v[a]
 
     def blocks(self, layer: int) -> tuple[mx.array, mx.array]:
         """The layer's K and V as `[num_blocks, block_size, num_kv_heads, head_dim]` views."""
         shape = (self.num_blocks, self.block_size, self.num_kv_heads, self.head_dim)
-        k, v = self.stored(layer)
-        return k.view(self.dtype).reshape(shape), v.view(self.dtype).reshape(shape)
+        k, v = (x.view(self.dtype) for x in self.stored(layer))
+        if self.heads_major:
+            heads = (self.num_kv_heads, self.num_blocks, self.block_size, self.head_dim)
+            return tuple(x.reshape(heads).transpose(1, 2, 0, 3) for x in (k, v))
+        return k.reshape(shape), v.reshape(shape)

@@ -172,7 +172,8 @@ class PagedModelRunner:
         # one per attention layer (in KV-cache order); a forward plans each distinct one once
         # per KV-cache group
         self.geometries: tuple[Geometry, ...] = tuple(
-            self.model.layers[i].self_attn.geometry(kv_cache.block_size, kv_cache.dtype)
+            self.model.layers[i].self_attn.geometry(kv_cache.block_size, kv_cache.dtype,
+                                                    kv_cache.heads_major)
             for i in attention_layers)
         _check_group_windows(kv_cache, [g.window for g in self.geometries])
         self.vocab_size = model.args.vocab_size

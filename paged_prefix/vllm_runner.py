@@ -43,7 +43,7 @@ from . import prompt_logprobs, warmup
 from .architectures import architecture
 from .dispatch import Dispatcher
 from .hybrid_groups import CacheGroups, HybridLimits, kernel_block_size
-from .kv_cache import PagedKVCache
+from .kv_cache import PagedKVCache, heads_major_here
 from .kv_groups import cache_layout
 from .kv_layout import KVLayout
 from .metadata import BatchMetadata
@@ -122,9 +122,14 @@ class VllmModelRunner:
                   layout: KVLayout | None = None) -> PagedKVCache:
         if spec.dtype not in TORCH_TO_MLX:
             raise ValueError(f"kv_cache_config: dtype {spec.dtype} is not one of {list(TORCH_TO_MLX)}")
+        heads_major = heads_major_here()
+        logger.info("paged_prefix: KV cache laid out %s", "heads-major, [kv heads, rows, head "
+                    "dim] per layer (MLX's CPU SDPA reads it in place)" if heads_major else
+                    "as vLLM's pages, [blocks, block size, kv heads, head dim] per layer")
         return PagedKVCache(num_layers=num_layers, num_blocks=num_blocks, block_size=block_size,
                             num_kv_heads=spec.num_kv_heads, head_dim=spec.head_size,
-                            dtype=TORCH_TO_MLX[spec.dtype], layout=layout)
+                            dtype=TORCH_TO_MLX[spec.dtype], layout=layout,
+                            heads_major=heads_major)
 
     def _start(self, cache: PagedKVCache, states: RecurrentStateCache | None,
                limits: Limits) -> None:

@@ -70,21 +70,25 @@ def sdpa(q: mx.array, k: mx.array, v: mx.array, scale: float, window: int | None
 
 
 def masked_sdpa(q: mx.array, k: mx.array, v: mx.array, scale: float, mask,
-                softcap: float | None = None, sinks: mx.array | None = None) -> mx.array:
+                softcap: float | None = None, sinks: mx.array | None = None, *,
+                kv_laid_head_major: bool = False) -> mx.array:
     """`sdpa` with its mask given: `window_mask(Lq, Lk, window)` of these shapes. MLX's CPU
     fallback computes half-precision inputs with half-precision scores (up to ~1e-2 off for
     large scores), while the GPU kernels accumulate scores in fp32: on the CPU half inputs are
     upcast so that the reference means the same thing everywhere. There K and V also go in as
     head-major copies: that SDPA is plain ops, which ran slower over the caches' token-major
     rows (a SmolLM2 decode step 1.24-1.28x mlx-lm's without the copies, 1.16-1.18x with them:
-    docs/cpu.md). The GPU path is untouched.
+    docs/cpu.md), unless `kv_laid_head_major` says each kv head's rows already lie together in
+    memory (a heads-major cache read in place), which that SDPA reads as they are. The GPU path
+    is untouched.
     """
     if softcap is not None:
         return _softcapped(q, k, v, scale, mask, softcap, sinks)
     extra = {} if sinks is None else {"sinks": sinks.astype(mx.float32)}
     if mx.default_device() == mx.cpu:
         half = q.dtype in _HALF
-        k, v = (x.astype(mx.float32) if half else mx.contiguous(x) for x in (k, v))
+        if half or not kv_laid_head_major:
+            k, v = (x.astype(mx.float32) if half else mx.contiguous(x) for x in (k, v))
         out = mx.fast.scaled_dot_product_attention(q.astype(mx.float32) if half else q, k, v,
                                                    scale=scale, mask=mask, **extra)
         return out.astype(q.dtype) if half else out

@@ -216,8 +216,13 @@ def test_writes_stay_inside_the_scheduled_rows_under_the_real_scheduler():
     runner, checked = engine.runner, {"steps": 0, "rows": 0}
     execute = runner.execute_model
 
+    def rows():  # each array with its rows first (a heads-major cache has them on axis 1)
+        cache = runner.runner.kv_cache
+        return [np.moveaxis(np.array(a), 1, 0) if cache.heads_major else np.array(a)
+                for a in cache.arrays()]
+
     def checked_execute(so):
-        before = [np.array(a) for a in runner.runner.kv_cache.arrays()]
+        before = rows()
         out = execute(so)
         computed = dict(zip(so.scheduled_cached_reqs.req_ids,
                             so.scheduled_cached_reqs.num_computed_tokens))
@@ -227,8 +232,8 @@ def test_writes_stay_inside_the_scheduled_rows_under_the_real_scheduler():
             blocks = np.array(runner.requests[req_id].block_ids[0])
             pos = np.arange(computed[req_id], computed[req_id] + count)
             allowed[blocks[pos // BS] * BS + pos % BS] = True
-        for layer_before, layer_after in zip(before, runner.runner.kv_cache.arrays()):
-            np.testing.assert_array_equal(np.array(layer_after)[~allowed], layer_before[~allowed])
+        for layer_before, layer_after in zip(before, rows()):
+            np.testing.assert_array_equal(layer_after[~allowed], layer_before[~allowed])
         checked["steps"] += 1
         checked["rows"] += int(allowed.sum())
         return out

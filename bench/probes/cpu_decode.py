@@ -1,18 +1,20 @@
-"""Where a decode step on MLX's CPU backend costs more than mlx-lm's: the attention's K/V copy.
+"""A decode step on MLX's CPU backend against mlx-lm's, and the K/V layout behind the gap.
 
     python -m bench.probes.cpu_decode [--contexts 448 1024] [--rounds 12]
 
 Two measurements, each interleaved round by round:
   step       SmolLM2-135M float32 (convert_smollm2's folder), one row over C cached tokens:
-             mlx-lm's model over its own cache against the paged runner (forward + argmax);
+             mlx-lm's model over its own cache against the paged runner (forward + argmax)
+             over a token-major cache and over a heads-major one (`PagedKVCache.heads_major`,
+             what a server uses on the CPU);
   attention  one layer's attention of that model (9 heads, 3 kv heads, D 64) for a decode row,
              30 layers' worth per evaluation: SDPA over mlx-lm's head-major cache as it reads
-             it (a slice of [1, Hkv, T, D]); the runner's CPU path over the paged cache's
-             token-major rows (`reference.masked_sdpa` copies them head-major first); that copy
-             alone; SDPA over the token-major rows with no copy.
-The paged cache keeps vLLM's token-major layout [blocks, block_size, Hkv, D]; MLX's CPU matmul
-takes a matrix only with unit stride in one dimension and the other equal to its width, so
-each kv head's rows (stride Hkv * D) are copied, or strided through, every layer and step.
+             it (a slice of [1, Hkv, T, D]); over token-major rows the runner's path
+             (`reference.masked_sdpa` copies them head-major first), that copy alone, and SDPA
+             straight over them; over a heads-major cache's rows read in place.
+MLX's CPU matmul takes a matrix only with unit stride in one dimension and the other equal to
+its width, so in vLLM's token-major layout [blocks, block_size, Hkv, D] each kv head's rows
+(stride Hkv * D) are copied, or strided through, every layer and step.
 """
 
 from __future__ import annotations
@@ -43,27 +45,31 @@ def median_ms(times: list[float]) -> float:
 def step_times(context: int, rounds: int) -> dict[str, float]:
     folder = str(smollm2_folder("float32"))
     dense, _ = load(folder)
-    paged, _ = load(folder)
     args = dense.args
     num_blocks = (context + rounds) // BLOCK_SIZE + 2
-    kv = PagedKVCache(args.num_hidden_layers, num_blocks, BLOCK_SIZE, args.num_key_value_heads,
-                      args.hidden_size // args.num_attention_heads, mx.float32)
-    runner = PagedModelRunner(paged, kv)
     tokens = np.random.default_rng(0).integers(3, args.vocab_size, context + rounds).tolist()
     blocks = list(range(1, num_blocks))
-    runner.greedy(build_batch_metadata(
-        [ScheduledRequest("r", tokens[:context], context, 0, context, blocks)],
-        BLOCK_SIZE, num_blocks))
+    runners = {}
+    for name, heads_major in (("token-major", False), ("heads-major", True)):
+        paged, _ = load(folder)
+        kv = PagedKVCache(args.num_hidden_layers, num_blocks, BLOCK_SIZE,
+                          args.num_key_value_heads, args.hidden_size // args.num_attention_heads,
+                          mx.float32, heads_major=heads_major)
+        runners[name] = PagedModelRunner(paged, kv)
+        runners[name].greedy(build_batch_metadata(
+            [ScheduledRequest("r", tokens[:context], context, 0, context, blocks)],
+            BLOCK_SIZE, num_blocks))
     cache = make_prompt_cache(dense)
     mx.eval(dense(mx.array([tokens[:context]]), cache=cache))
-    times: dict[str, list[float]] = {"mlx-lm": [], "paged runner": []}
+    times: dict[str, list[float]] = {"mlx-lm": [], **{name: [] for name in runners}}
     for i in range(rounds):
         n = context + i
-        start = time.perf_counter()
-        runner.greedy(build_batch_metadata(
-            [ScheduledRequest("r", tokens[:n + 1], context, n, 1, blocks)], BLOCK_SIZE,
-            num_blocks))
-        times["paged runner"].append(time.perf_counter() - start)
+        meta = build_batch_metadata([ScheduledRequest("r", tokens[:n + 1], context, n, 1, blocks)],
+                                    BLOCK_SIZE, num_blocks)
+        for name, runner in runners.items():
+            start = time.perf_counter()
+            runner.greedy(meta)
+            times[name].append(time.perf_counter() - start)
         start = time.perf_counter()
         logits = dense(mx.array([[tokens[n]]]), cache=cache)
         mx.eval(mx.argmax(logits[:, -1], axis=-1), [c.state for c in cache])
@@ -78,7 +84,8 @@ def attention_times(context: int, rounds: int) -> dict[str, float]:
     # mlx-lm's cache: [1, Hkv, allocated, D], read as a slice; the paged cache's token rows
     heads_major = [(normal((1, KV_HEADS, context + 256, HEAD_DIM)),) * 2 for _ in range(LAYERS)]
     rows = [(normal((4 * context, KV_HEADS, HEAD_DIM)),) * 2 for _ in range(LAYERS)]
-    mx.eval(q, heads_major, rows)
+    cache_heads = [(normal((KV_HEADS, 4 * context, HEAD_DIM)),) * 2 for _ in range(LAYERS)]
+    mx.eval(q, heads_major, rows, cache_heads)
     visible = slice(context, 2 * context)
 
     def sdpa(i, k, v):
@@ -95,6 +102,9 @@ def attention_times(context: int, rounds: int) -> dict[str, float]:
         "SDPA, no copy": lambda: [sdpa(i, reference.heads_first(k[visible]),
                                        reference.heads_first(v[visible]))
                                   for i, (k, v) in enumerate(rows)],
+        "heads-major cache": lambda: [reference.masked_sdpa(
+            q[i], k[None, :, visible], v[None, :, visible], scale, None, kv_laid_head_major=True)
+            for i, (k, v) in enumerate(cache_heads)],
     }
     times: dict[str, list[float]] = {name: [] for name in cases}
     for _ in range(rounds):
@@ -113,8 +123,8 @@ def main() -> None:
     for context in a.contexts:
         step = step_times(context, a.rounds)
         print(f"C={context} decode step (ms): " + ", ".join(
-            f"{k} {v:.1f}" for k, v in step.items()) +
-            f"; runner / mlx-lm {step['paged runner'] / step['mlx-lm']:.3f}")
+            f"{k} {v:.1f}" for k, v in step.items()) + "; runner / mlx-lm: " + ", ".join(
+            f"{k} {v / step['mlx-lm']:.3f}" for k, v in step.items() if k != "mlx-lm"))
         attn = attention_times(context, a.rounds)
         print(f"C={context} attention, {LAYERS} layers (ms): " + ", ".join(
             f"{k} {v:.2f}" for k, v in attn.items()))

@@ -27,7 +27,7 @@ import psutil
 
 from ..dispatch import Dispatcher
 from ..hybrid_config import fresh_states, profile_state_cache
-from ..kv_cache import PagedKVCache
+from ..kv_cache import PagedKVCache, heads_major_here
 from ..metadata import ScheduledRequest, build_batch_metadata
 from ..runner import PagedModelRunner
 
@@ -62,7 +62,8 @@ def activation_peak(model: nn.Module, dispatcher: Dispatcher, num_tokens: int, b
     num_blocks = -(-num_tokens // block_size)
     # a hybrid model's recurrent layers: their states in a cache of their own
     states, conv_kernel, num_attention = profile_state_cache(model)
-    cache = PagedKVCache(num_attention, num_blocks, block_size, num_kv_heads, head_dim, dtype)
+    cache = PagedKVCache(num_attention, num_blocks, block_size, num_kv_heads, head_dim, dtype,
+                         heads_major=heads_major_here())
     runner = PagedModelRunner(model, cache, dispatcher, state_cache=states)
     vocab = runner.vocab_size
     request = ScheduledRequest("profile", [i % vocab for i in range(num_tokens)], num_tokens, 0,

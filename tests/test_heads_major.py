@@ -1,0 +1,91 @@
+"""The heads-major KV cache (`PagedKVCache(heads_major=True)`, what a server uses on MLX's CPU
+backend): the same rows as vLLM's token-major pages, read in place by the SDPA executor, and
+bit for bit the same forwards; no kernel takes it."""
+
+import mlx.core as mx
+import numpy as np
+import pytest
+
+from jit_kernels import GatheredSdpa
+from jit_kernels.arrays import as_pages, as_rows
+from jit_kernels.geometry import HEADS_MAJOR_REASON, Geometry, unsupported_reason
+from jit_kernels.page_gather import PageGather
+from paged_prefix.kv_cache import PagedKVCache, heads_major_here
+from paged_prefix.metadata import ScheduledRequest, build_batch_metadata
+from paged_prefix.models import build_model, resolve_config
+from paged_prefix.runner import PagedModelRunner
+from tests.conftest import DTYPES
+
+
+@pytest.mark.parametrize("dtype", DTYPES.values(), ids=DTYPES)
+@pytest.mark.parametrize("head_dim", [64, 7])
+def test_writes_land_where_token_major_writes_do(dtype, head_dim):
+    """Runs (slice updates) and scattered slots: the same pages, through blocks() and the
+    executors' as_pages/as_rows views of the stored arrays."""
+    rng = np.random.default_rng(0)
+    caches = [PagedKVCache(2, 12, 8, 3, head_dim, dtype, heads_major=hm) for hm in (False, True)]
+    g = [Geometry(6, 3, head_dim, 8, dtype, 0.1, heads_major=hm) for hm in (False, True)]
+    for slots in (np.arange(20, 45), rng.permutation(96)[:30]):
+        k = mx.array(rng.standard_normal((len(slots), 3, head_dim)), dtype=mx.float32).astype(dtype)
+        for cache in caches:
+            cache.write(1, k, -k, cache.slots(slots))
+    want = [np.array(x.astype(mx.float32)) for x in caches[0].blocks(1)]
+    assert np.abs(want[0]).sum() > 0
+    for got in (caches[1].blocks(1), [as_pages(x, g[1]) for x in caches[1].stored(1)]):
+        for w, x in zip(want, got):
+            np.testing.assert_array_equal(np.array(x.astype(mx.float32)), w)
+    rows = [np.array(as_rows(x, g[1]).astype(mx.float32)) for x in caches[1].stored(1)]
+    for w, r in zip(want, rows):
+        np.testing.assert_array_equal(r, w.reshape(-1, 3, head_dim))
+    assert caches[1].stored(1)[0].shape[0] == 3  # [kv heads, rows, words]
+
+
+@pytest.mark.parametrize("dtype", DTYPES.values(), ids=DTYPES)
+def test_forwards_equal_token_major_bit_for_bit(dtype):
+    """A prefill, a cached-prefix chunk beside a fresh request, a decode row, over pages in
+    one run (read in place) and shuffled (gathered): the same logits and the same cache."""
+    cfg = resolve_config("llama-tiny")
+    rng = np.random.default_rng(1)
+    prompt = rng.integers(3, cfg["vocab_size"], 300).tolist()
+    layouts = [list(range(30, 50)), rng.permutation(np.arange(1, 25)).tolist()]
+    results = []
+    for heads_major in (False, True):
+        kv = PagedKVCache(cfg["num_hidden_layers"], 64, 16, cfg["num_key_value_heads"],
+                          cfg["head_dim"], dtype, heads_major=heads_major)
+        runner = PagedModelRunner(build_model(cfg, dtype), kv)
+        assert runner.geometries[0].heads_major == heads_major
+        out = []
+        for blocks in layouts:
+            for requests in (
+                    [ScheduledRequest("a", prompt[:200], 200, 0, 200, blocks)],
+                    [ScheduledRequest("a", prompt[:260], 200, 200, 60, blocks),
+                     ScheduledRequest("b", prompt[:40], 40, 0, 40, [60, 61, 62])],
+                    [ScheduledRequest("a", prompt[:261], 200, 260, 1, blocks)]):
+                logits = runner.forward(build_batch_metadata(requests, 16, 64))
+                mx.eval(logits, runner.cache_arrays())
+                out.append(np.array(logits))
+        out += [np.array(x.astype(mx.float32)) for x in kv.blocks(0)]
+        results.append(out)
+    assert runner.dispatcher.counts["sdpa"] > 0
+    for a, b in zip(*results):
+        np.testing.assert_array_equal(a, b)
+
+
+def test_no_kernel_takes_a_heads_major_cache():
+    g = Geometry(8, 2, 128, 16, mx.float16, 0.1, heads_major=True)
+    assert unsupported_reason(g, (128,)) == HEADS_MAJOR_REASON
+    assert PageGather("cuda", None).unsupported_reason(g) == HEADS_MAJOR_REASON
+    assert GatheredSdpa(PageGather("cuda", None)).unsupported_reason(g) == HEADS_MAJOR_REASON
+    assert GatheredSdpa().unsupported_reason(g) is None  # MLX's take reads any layout
+
+
+def test_a_token_major_array_is_not_read_as_heads_major():
+    g = Geometry(8, 2, 64, 16, mx.float32, 0.1, heads_major=True)
+    with pytest.raises(ValueError, match="heads-major cache is \\[2 kv heads"):
+        as_rows(mx.zeros((64, 2, 64)), g)
+    with pytest.raises(ValueError, match="heads_major: expected a bool"):
+        PagedKVCache(1, 4, 16, 2, 64, mx.float32, heads_major=1)
+
+
+def test_a_server_picks_heads_major_on_the_cpu_only():
+    assert heads_major_here() == (mx.default_device() == mx.cpu)
