@@ -158,21 +158,16 @@ class PagedKVCache:
             raise ValueError(f"keys, values: expected {want}, got {keys.shape} and {values.shape}")
         keys, values = self._stored(keys), self._stored(values)
         a = self.layout.array_of[layer]
-        if self.heads_major:  # rows along axis 1: [Hkv, T, W]
-            keys, values = keys.transpose(1, 0, 2), values.transpose(1, 0, 2)
-            for target, rows in ((self._k[a], keys), (self._v[a], values)):
-                if not slots.runs:
-                    target[:, slots.device] = rows
-                for slot, row, n in slots.runs:
-                    target[:, slot:slot + n] = rows if n == slots.count else rows[:, row:row + n]
-            return
-        if not slots.runs:
-            self._k[a][slots.device] = keys
-            self._v[a][slots.device] = values
-        for slot, row, n in slots.runs:
-            whole = n == slots.count  # no slice op on the rows
-            self._k[a][slot:slot + n] = keys if whole else keys[row:row + n]
-            self._v[a][slot:slot + n] = values if whole else values[row:row + n]
+        lead = ()  # the index of the row axis: 0, or 1 heads-major ([Hkv, T, W])
+        if self.heads_major:
+            keys, values, lead = keys.transpose(1, 0, 2), values.transpose(1, 0, 2), (slice(None),)
+        for target, rows in ((self._k[a], keys), (self._v[a], values)):
+            if not slots.runs:
+                target[(*lead, slots.device)] = rows
+            for slot, row, n in slots.runs:
+                whole = n == slots.count  # no slice op on the rows
+                target[(*lead, slice(slot, slot + n))] = \
+                    rows if whole else rows[(*lead, slice(row, row + n))]
 
     def _stored(self, rows: mx.array) -> mx.array:
         if rows.dtype != self.dtype:
