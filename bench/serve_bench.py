@@ -46,13 +46,19 @@ def parse_args(argv=None) -> argparse.Namespace:
                    choices=("llama-1b", "llama-8b", "gemma3-1b", "gpt-oss-20b",
                             "qwen3-next-small", "qwen3-next-2b"),
                    help="instead of --model: this built-in GPU-sized config with seeded random "
-                        "bf16 weights and SmolLM2's tokenizer (greedy outputs are arbitrary but "
-                        "still compared off vs on); gemma3-1b and gpt-oss-20b have sliding "
+                        "weights (--dtype) and SmolLM2's tokenizer (greedy outputs are arbitrary "
+                        "but still compared off vs on); gemma3-1b and gpt-oss-20b have sliding "
                         "windows, gpt-oss-20b sinks and experts (~40 GB of weights); "
                         "qwen3-next-small is a CPU-sized hybrid model (recurrent state in "
                         "vLLM's blocks: docs/hybrid.md), qwen3-next-2b a GPU-sized one")
     p.add_argument("--tokenizer", type=Path, default=None,
                    help="tokenizer folder for --random-weights (default: SmolLM2's)")
+    p.add_argument("--dtype", choices=("bfloat16", "float32"), default=None,
+                   help="--random-weights' weight dtype (default: bfloat16 for the GPU-sized "
+                        "configs, float32 for the CPU-sized one). Greedy tokens of random "
+                        "weights sit close together, so bfloat16's rounding differences between "
+                        "a prompt computed whole and from cached blocks can pick another token; "
+                        "float32 compares off vs on token for token")
     p.add_argument("--num-prefixes", type=int, default=4)
     p.add_argument("--prompts-per-prefix", type=int, default=6)
     p.add_argument("--prefix-len", type=int, default=384)
@@ -91,6 +97,11 @@ def parse_args(argv=None) -> argparse.Namespace:
     for name in ("num_prefixes", "prompts_per_prefix", "prefix_len", "suffix_len", "output_len"):
         if getattr(args, name) < 1:
             raise ValueError(f"--{name.replace('_', '-')}: expected >= 1, got {getattr(args, name)}")
+    if args.dtype and not args.random_weights:
+        raise ValueError("--dtype: only with --random-weights (a --model folder keeps its own)")
+    if args.dtype == "bfloat16" and args.random_weights in CPU_SIZED:
+        raise ValueError(f"--dtype: {args.random_weights} runs experts on MLX's CPU backend, "
+                         "which takes float32 only")
     if args.against and args.max_concurrency is not None:
         raise ValueError("--max-concurrency: --against runs all at once and one at a time")
     if not args.against and args.max_concurrency is None:
@@ -261,7 +272,8 @@ def resolve_model(args: argparse.Namespace) -> str:
 
     tokenizer = args.tokenizer or smollm2_folder()
     # the CPU-sized model in float32: MLX's CPU backend runs experts (gather_mm) in float32 only
-    dtype = mx.float32 if args.random_weights in CPU_SIZED else mx.bfloat16
+    default = "float32" if args.random_weights in CPU_SIZED else "bfloat16"
+    dtype = getattr(mx, args.dtype or default)
     name = str(dtype).rsplit(".", 1)[-1].replace("bfloat", "bf").replace("float", "f")
     return str(write_folder(args.random_weights, models_root() / (
         f"{args.random_weights}-random-{name}-{tokenizer.name}-tokenizer"), tokenizer, dtype))

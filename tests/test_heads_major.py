@@ -14,7 +14,7 @@ from paged_prefix.kv_cache import PagedKVCache, heads_major_here
 from paged_prefix.metadata import ScheduledRequest, build_batch_metadata
 from paged_prefix.models import build_model, resolve_config
 from paged_prefix.runner import PagedModelRunner
-from tests.conftest import DTYPES
+from tests.conftest import DTYPES, ON_GPU
 
 
 @pytest.mark.parametrize("dtype", DTYPES.values(), ids=DTYPES)
@@ -40,6 +40,8 @@ def test_writes_land_where_token_major_writes_do(dtype, head_dim):
     assert caches[1].stored(1)[0].shape[0] == 3  # [kv heads, rows, words]
 
 
+@pytest.mark.skipif(ON_GPU, reason="a CPU-backend layout (heads_major_here): on a GPU the token-major "
+                    "forward runs the kernels, whose fp16/bf16 rounding is not SDPA's")
 @pytest.mark.parametrize("dtype", DTYPES.values(), ids=DTYPES)
 def test_forwards_equal_token_major_bit_for_bit(dtype):
     """A prefill, a cached-prefix chunk beside a fresh request, a decode row, over pages in

@@ -1,4 +1,7 @@
-"""bench/serve_bench.py's reading of the server log: the block size, and why nothing hit."""
+"""bench/serve_bench.py's reading of the server log (the block size, and why nothing hit) and its
+checks of the command line."""
+
+import pytest
 
 from bench import serve_bench
 from paged_prefix.vllm_plugin.platform import CONFIG_LINE, WORKER_CLS
@@ -24,3 +27,19 @@ def test_no_hits_are_explained_only_where_the_prefix_is_shorter_than_a_block():
     assert serve_bench.no_hit_reason(0.0, 1056, 1056) is None  # the cause is elsewhere
     assert serve_bench.no_hit_reason(0.25, 1056, 1024) is None
     assert serve_bench.no_hit_reason(0.0, None, 1024) is None
+
+
+@pytest.mark.parametrize("argv, field", [
+    (["--dtype", "float32"], "--dtype"),  # a --model folder keeps its own dtype
+    (["--random-weights", "qwen3-next-small", "--dtype", "bfloat16"], "--dtype"),
+    (["--random-weights", "llama-1b", "--prefix-len", "0"], "--prefix-len"),
+])
+def test_bad_command_lines_name_the_option(argv, field):
+    with pytest.raises(ValueError, match=field):
+        serve_bench.parse_args(argv)
+
+
+def test_random_weights_take_the_dtype_asked_for():
+    assert serve_bench.parse_args(["--random-weights", "qwen3-next-2b", "--dtype", "float32"]).dtype \
+        == "float32"
+    assert serve_bench.parse_args(["--random-weights", "qwen3-next-2b"]).dtype is None
