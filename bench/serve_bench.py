@@ -58,7 +58,9 @@ def parse_args(argv=None) -> argparse.Namespace:
                         "configs, float32 for the CPU-sized one). Greedy tokens of random "
                         "weights sit close together, so bfloat16's rounding differences between "
                         "a prompt computed whole and from cached blocks can pick another token; "
-                        "float32 compares off vs on token for token")
+                        "float32 compares off vs on token for token (its servers run with "
+                        "MLX_ENABLE_TF32=0: by default MLX lets a GPU round float32 matmuls to "
+                        "TF32)")
     p.add_argument("--num-prefixes", type=int, default=4)
     p.add_argument("--prompts-per-prefix", type=int, default=6)
     p.add_argument("--prefix-len", type=int, default=384)
@@ -188,8 +190,11 @@ def run_setting(setting: str, model: str, args: argparse.Namespace) -> dict:
     result_file = f"caching-{setting}.json"
     label = f"caching {setting}"
     server_log = args.out / f"server-{setting}.log"
-    print(f"[{label}] starting vllm serve; log {server_log}", flush=True)
-    env = {"VLLM_LOGGING_LEVEL": "DEBUG"} if args.breakdown else None
+    env = {"VLLM_LOGGING_LEVEL": "DEBUG"} if args.breakdown else {}
+    if weight_dtype(args) == "float32":  # full float32 matmuls on a GPU too (--dtype)
+        env["MLX_ENABLE_TF32"] = "0"
+    with_env = "".join(f" {k}={v}" for k, v in env.items())
+    print(f"[{label}] starting{with_env} vllm serve; log {server_log}", flush=True)
     with VllmServer(model, server_args, server_log, env=env) as server:
         print(f"[{label}] server up at {server.url}; {blas_line(server_log)}", flush=True)
         client = client_command(server.url, server.served_name, model, args, args.seed,
@@ -265,15 +270,21 @@ def workload_text(args: argparse.Namespace) -> str:
     return text + f", max concurrency {args.max_concurrency or 'all'}"
 
 
+def weight_dtype(args: argparse.Namespace) -> str | None:
+    """--random-weights' dtype name; None for a --model folder (its own)."""
+    if not args.random_weights:
+        return None
+    # the CPU-sized model in float32: MLX's CPU backend runs experts (gather_mm) in float32 only
+    return args.dtype or ("float32" if args.random_weights in CPU_SIZED else "bfloat16")
+
+
 def resolve_model(args: argparse.Namespace) -> str:
     if not args.random_weights:
         return args.model or str(smollm2_folder())
     import mlx.core as mx  # after paged_prefix (cpu_blas binds MLX's BLAS at its import)
 
     tokenizer = args.tokenizer or smollm2_folder()
-    # the CPU-sized model in float32: MLX's CPU backend runs experts (gather_mm) in float32 only
-    default = "float32" if args.random_weights in CPU_SIZED else "bfloat16"
-    dtype = getattr(mx, args.dtype or default)
+    dtype = getattr(mx, weight_dtype(args))
     name = str(dtype).rsplit(".", 1)[-1].replace("bfloat", "bf").replace("float", "f")
     return str(write_folder(args.random_weights, models_root() / (
         f"{args.random_weights}-random-{name}-{tokenizer.name}-tokenizer"), tokenizer, dtype))

@@ -43,3 +43,31 @@ def test_random_weights_take_the_dtype_asked_for():
     assert serve_bench.parse_args(["--random-weights", "qwen3-next-2b", "--dtype", "float32"]).dtype \
         == "float32"
     assert serve_bench.parse_args(["--random-weights", "qwen3-next-2b"]).dtype is None
+    dtypes = [serve_bench.weight_dtype(serve_bench.parse_args(argv)) for argv in (
+        ["--random-weights", "qwen3-next-2b"], ["--random-weights", "qwen3-next-small"],
+        ["--random-weights", "llama-1b", "--dtype", "float32"], [])]
+    assert dtypes == ["bfloat16", "float32", "float32", None]
+
+
+@pytest.mark.parametrize(("argv", "tf32"), [(["--random-weights", "llama-1b"], None),
+                                            (["--random-weights", "llama-1b", "--dtype", "float32"],
+                                             "0")])
+def test_float32_servers_run_without_tf32(monkeypatch, tmp_path, argv, tf32):
+    """MLX rounds a GPU's float32 matmuls to TF32 unless told not to: a float32 run's servers
+    are told."""
+    seen = {}
+
+    class Server:
+        def __init__(self, model, server_args, log, env):
+            seen.update(env)
+
+        def __enter__(self):
+            raise KeyboardInterrupt  # stop before anything starts
+
+        def __exit__(self, *exc):
+            return False
+
+    monkeypatch.setattr(serve_bench, "VllmServer", Server)
+    with pytest.raises(KeyboardInterrupt):
+        serve_bench.run_setting("on", "model", serve_bench.parse_args([*argv, "--out", str(tmp_path)]))
+    assert seen.get("MLX_ENABLE_TF32") == tf32
