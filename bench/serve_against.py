@@ -30,6 +30,7 @@ from bench.serve_bench import (
     client_metrics,
     multi_turn_workload,
     num_requests,
+    server_options,
     workload_text,
 )
 from bench.serve_progress import run_client, server_log_status
@@ -49,9 +50,8 @@ TARGETS = [("all at once", "ttft_p50_ms", "<=", 0.3), ("all at once", "output_th
 def _server(kind: str, model: str, args: argparse.Namespace, out: Path):
     if kind == "mlx-lm":
         return MlxLmServer(model, out / "server-mlx-lm.log")
-    return VllmServer(model, ["--enable-prefix-caching", "--max-model-len", str(args.max_model_len),
-                              "--kv-cache-memory-bytes", str(args.kv_cache_memory_bytes),
-                              "--seed", str(args.seed)], out / "server-paged_prefix.log")
+    return VllmServer(model, ["--enable-prefix-caching", *server_options(args)],
+                      out / "server-paged_prefix.log")
 
 
 def run_server(kind: str, model: str, args: argparse.Namespace) -> dict:

@@ -58,9 +58,9 @@ def parse_args(argv=None) -> argparse.Namespace:
                         "configs, float32 for the CPU-sized one). Greedy tokens of random "
                         "weights sit close together, so bfloat16's rounding differences between "
                         "a prompt computed whole and from cached blocks can pick another token; "
-                        "float32 compares off vs on token for token (its servers run with "
-                        "MLX_ENABLE_TF32=0: by default MLX lets a GPU round float32 matmuls to "
-                        "TF32)")
+                        "float32 compares off vs on token for token. The servers get it as "
+                        "vLLM's --dtype: under --dtype auto a GPU platform downcasts a float32 "
+                        "folder to bfloat16")
     p.add_argument("--num-prefixes", type=int, default=4)
     p.add_argument("--prompts-per-prefix", type=int, default=6)
     p.add_argument("--prefix-len", type=int, default=384)
@@ -184,17 +184,12 @@ def no_hit_reason(hit_rate: float, block: int | None, prefix_len: int) -> str | 
 
 
 def run_setting(setting: str, model: str, args: argparse.Namespace) -> dict:
-    server_args = [SETTINGS[setting], "--max-model-len", str(args.max_model_len),
-                   "--kv-cache-memory-bytes", str(args.kv_cache_memory_bytes),
-                   "--seed", str(args.seed)]
+    server_args = [SETTINGS[setting], *server_options(args)]
     result_file = f"caching-{setting}.json"
     label = f"caching {setting}"
     server_log = args.out / f"server-{setting}.log"
-    env = {"VLLM_LOGGING_LEVEL": "DEBUG"} if args.breakdown else {}
-    if weight_dtype(args) == "float32":  # full float32 matmuls on a GPU too (--dtype)
-        env["MLX_ENABLE_TF32"] = "0"
-    with_env = "".join(f" {k}={v}" for k, v in env.items())
-    print(f"[{label}] starting{with_env} vllm serve; log {server_log}", flush=True)
+    print(f"[{label}] starting vllm serve; log {server_log}", flush=True)
+    env = {"VLLM_LOGGING_LEVEL": "DEBUG"} if args.breakdown else None
     with VllmServer(model, server_args, server_log, env=env) as server:
         print(f"[{label}] server up at {server.url}; {blas_line(server_log)}", flush=True)
         client = client_command(server.url, server.served_name, model, args, args.seed,
@@ -276,6 +271,15 @@ def weight_dtype(args: argparse.Namespace) -> str | None:
         return None
     # the CPU-sized model in float32: MLX's CPU backend runs experts (gather_mm) in float32 only
     return args.dtype or ("float32" if args.random_weights in CPU_SIZED else "bfloat16")
+
+
+def server_options(args: argparse.Namespace) -> list[str]:
+    """`vllm serve` options both settings (and --against's server) share; random weights are
+    served in the dtype they were written in."""
+    dtype = weight_dtype(args)
+    return ["--max-model-len", str(args.max_model_len),
+            "--kv-cache-memory-bytes", str(args.kv_cache_memory_bytes), "--seed", str(args.seed),
+            *(["--dtype", dtype] if dtype else [])]
 
 
 def resolve_model(args: argparse.Namespace) -> str:

@@ -3,7 +3,7 @@ checks of the command line."""
 
 import pytest
 
-from bench import serve_bench
+from bench import serve_against, serve_bench
 from paged_prefix.vllm_plugin.platform import CONFIG_LINE, WORKER_CLS
 
 
@@ -49,17 +49,17 @@ def test_random_weights_take_the_dtype_asked_for():
     assert dtypes == ["bfloat16", "float32", "float32", None]
 
 
-@pytest.mark.parametrize(("argv", "tf32"), [(["--random-weights", "llama-1b"], None),
-                                            (["--random-weights", "llama-1b", "--dtype", "float32"],
-                                             "0")])
-def test_float32_servers_run_without_tf32(monkeypatch, tmp_path, argv, tf32):
-    """MLX rounds a GPU's float32 matmuls to TF32 unless told not to: a float32 run's servers
-    are told."""
-    seen = {}
+@pytest.mark.parametrize(("argv", "dtype"), [(["--random-weights", "llama-1b"], "bfloat16"),
+                                             (["--random-weights", "qwen3-next-2b", "--dtype",
+                                               "float32"], "float32"), ([], None)])
+def test_servers_serve_random_weights_in_their_dtype(monkeypatch, tmp_path, argv, dtype):
+    """vLLM's --dtype auto downcasts a float32 folder to bfloat16 on a GPU platform: both the
+    settings' servers and --against's are told the dtype the weights were written in."""
+    started = []
 
     class Server:
-        def __init__(self, model, server_args, log, env):
-            seen.update(env)
+        def __init__(self, model, server_args, log, env=None):
+            started.append(server_args)
 
         def __enter__(self):
             raise KeyboardInterrupt  # stop before anything starts
@@ -67,7 +67,13 @@ def test_float32_servers_run_without_tf32(monkeypatch, tmp_path, argv, tf32):
         def __exit__(self, *exc):
             return False
 
+    args = serve_bench.parse_args([*argv, "--out", str(tmp_path)])
     monkeypatch.setattr(serve_bench, "VllmServer", Server)
+    monkeypatch.setattr(serve_against, "VllmServer", Server)
     with pytest.raises(KeyboardInterrupt):
-        serve_bench.run_setting("on", "model", serve_bench.parse_args([*argv, "--out", str(tmp_path)]))
-    assert seen.get("MLX_ENABLE_TF32") == tf32
+        serve_bench.run_setting("on", "model", args)
+    with pytest.raises(KeyboardInterrupt):
+        serve_against.run_server("paged_prefix", "model", args)
+    for options in started:
+        assert (options[options.index("--dtype") + 1] if "--dtype" in options else None) == dtype
+    assert len(started) == 2
