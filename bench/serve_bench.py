@@ -288,10 +288,11 @@ def resolve_model(args: argparse.Namespace) -> str:
     import mlx.core as mx  # after paged_prefix (cpu_blas binds MLX's BLAS at its import)
 
     tokenizer = args.tokenizer or smollm2_folder()
-    dtype = getattr(mx, weight_dtype(args))
-    name = str(dtype).rsplit(".", 1)[-1].replace("bfloat", "bf").replace("float", "f")
+    dtype = weight_dtype(args)
+    short = dtype.replace("bfloat", "bf").replace("float", "f")
     return str(write_folder(args.random_weights, models_root() / (
-        f"{args.random_weights}-random-{name}-{tokenizer.name}-tokenizer"), tokenizer, dtype))
+        f"{args.random_weights}-random-{short}-{tokenizer.name}-tokenizer"), tokenizer,
+        getattr(mx, dtype)))
 
 
 def main(argv=None) -> int:
