@@ -6,6 +6,7 @@ tile, tested block sizes, the variants it implements).
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import cached_property
 
 import mlx.core as mx
 import numpy as np
@@ -61,7 +62,7 @@ class Geometry:
     def group(self) -> int:
         return self.num_heads // self.num_kv_heads
 
-    @property
+    @cached_property  # features and variant are read by every forward's route and checks
     def features(self) -> str:
         """The variant's features joined by "+" ("" for plain causal attention)."""
         on = (self.window is not None, self.softcap is not None, self.sinks)
@@ -70,6 +71,10 @@ class Geometry:
     def variant(self) -> tuple:
         """What selects a compiled kernel: (dtype, head_dim, group, block_size, features); a
         window's size and a cap's value are per-call values."""
+        return self._variant
+
+    @cached_property
+    def _variant(self) -> tuple:
         return (dtype_name(self.dtype), self.head_dim, self.group, self.block_size,
                 self.features)
 
@@ -123,9 +128,11 @@ class Lengths:
     def num_seqs(self) -> int:
         return len(self.seq_lens)
 
-    @property
+    @cached_property  # the route and every plan read it, some per sequence: computed once
     def q_lens(self) -> np.ndarray:
-        return np.diff(self.cu_seqlens_q)
+        q_lens = np.diff(self.cu_seqlens_q)
+        q_lens.flags.writeable = False
+        return q_lens
 
     def seqs(self, seqs=None) -> tuple[int, ...]:
         """`seqs` (a plan's sequences; None: all of them) as increasing batch indices."""

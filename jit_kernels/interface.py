@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import numbers
 from dataclasses import dataclass
+from functools import cached_property
 from typing import Protocol
 
 import mlx.core as mx
@@ -40,7 +41,7 @@ class Plan:
     block_tables: mx.array  # int32 [S, max_blocks], the forward's device table
     seqs: tuple[int, ...]  # the planned sequences, increasing batch indices
 
-    @property
+    @cached_property  # read by every layer's launches
     def whole(self) -> bool:
         """Whether the plan covers every sequence of the batch."""
         return len(self.seqs) == self.lengths.num_seqs

@@ -87,14 +87,17 @@ def _attend(q: mx.array, ks: mx.array, vs: mx.array, g: Geometry, sinks,
             calls: tuple[Span, ...], laid_head_major: bool = False) -> mx.array:
     """q [L, H, D] at the last positions of ks, vs [1, Hkv, Lk, D] -> [L, H, D];
     `laid_head_major`: ks, vs are rows of a heads-major cache, read as they lie."""
-    def sdpa(qs, k, v, mask):  # noqa: E306
-        return reference.tokens_first(reference.masked_sdpa(
-            reference.heads_first(qs), k, v, g.scale, mask, g.softcap, sinks,
-            kv_laid_head_major=laid_head_major))
     if len(calls) == 1:  # no slices: each is an op a layer
-        return sdpa(q, ks, vs, calls[0].mask)
-    return mx.concatenate([sdpa(q[c.q0:c.q1], ks[:, :, c.k0:c.k1], vs[:, :, c.k0:c.k1], c.mask)
-                           for c in calls], axis=0)
+        return _sdpa(q, ks, vs, calls[0].mask, g, sinks, laid_head_major)
+    return mx.concatenate([_sdpa(q[c.q0:c.q1], ks[:, :, c.k0:c.k1], vs[:, :, c.k0:c.k1],
+                                 c.mask, g, sinks, laid_head_major) for c in calls], axis=0)
+
+
+def _sdpa(q: mx.array, k: mx.array, v: mx.array, mask, g: Geometry, sinks,
+          laid_head_major: bool) -> mx.array:
+    return reference.tokens_first(reference.masked_sdpa(
+        reference.heads_first(q), k, v, g.scale, mask, g.softcap, sinks,
+        kv_laid_head_major=laid_head_major))
 
 
 def _assemble(out: mx.array | None, rows: list[mx.array], plan: Plan) -> mx.array:

@@ -61,8 +61,11 @@ class PagedAttention(nn.Module):
         # q_layernorm/k_layernorm
         self._out = "o_proj" if "o_proj" in attn else "out_proj"
         self[self._out] = attn[self._out]
-        self._norms = next((n for n in _QK_NORMS if n[0] in attn), ())
-        for name in self._norms:
+        norms = next((n for n in _QK_NORMS if n[0] in attn), None)
+        # names as plain attributes (a tuple would live in the module's tree, read through its
+        # __getattr__ in every layer call)
+        self._q_norm, self._k_norm = norms or (None, None)
+        for name in norms or ():
             self[name] = attn[name]
         if spec.sinks:
             self.sinks = attn.sinks
@@ -90,8 +93,8 @@ class PagedAttention(nn.Module):
         q = q.reshape(num_tokens, self.n_heads, 1, -1)
         k = k.reshape(num_tokens, self.n_kv_heads, 1, -1)
         v = v.reshape(num_tokens, self.n_kv_heads, -1)
-        if self._norms:
-            q, k = self[self._norms[0]](q), self[self._norms[1]](k)
+        if self._q_norm is not None:
+            q, k = self[self._q_norm](q), self[self._k_norm](k)
         positions = cache.meta.positions
         q = self.rope(q, offset=positions).reshape(num_tokens, self.n_heads, -1)
         k = self.rope(k, offset=positions).reshape(num_tokens, self.n_kv_heads, -1)
@@ -99,7 +102,7 @@ class PagedAttention(nn.Module):
         if q.dtype != cache.kv_cache.dtype:
             q = q.astype(cache.kv_cache.dtype)
         sinks = None
-        if "sinks" in self:  # float32 [H], whatever the weights' dtype
+        if self.spec.sinks:  # float32 [H], whatever the weights' dtype
             sinks = self["sinks"]
             if sinks.dtype != mx.float32:
                 sinks = sinks.astype(mx.float32)

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from functools import cached_property
 
 import mlx.core as mx
 import numpy as np
@@ -65,11 +66,11 @@ class AttentionMetadata:
     def num_tokens(self) -> int:
         return int(self.cu_seqlens_q_host[-1])
 
-    @property
+    @cached_property  # read per forward and per plan: computed once
     def q_lens_host(self) -> np.ndarray:
-        return np.diff(self.cu_seqlens_q_host)
+        return frozen(np.diff(self.cu_seqlens_q_host))
 
-    @property
+    @cached_property
     def max_q_len(self) -> int:
         return int(self.q_lens_host.max())
 

@@ -152,7 +152,8 @@ class PagedKVCache:
         """
         if not isinstance(slots, Slots) or slots.cache_id != id(self):
             raise ValueError("slots: expected this cache's PagedKVCache.slots(...)")
-        as_int(layer, "layer", low=0, high=self.num_layers - 1)
+        if type(layer) is not int or not 0 <= layer < self.num_layers:  # every layer: cheap
+            as_int(layer, "layer", low=0, high=self.num_layers - 1)
         want = (slots.count, self.num_kv_heads, self.head_dim)
         if keys.shape != want or values.shape != want:
             raise ValueError(f"keys, values: expected {want}, got {keys.shape} and {values.shape}")

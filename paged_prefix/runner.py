@@ -168,10 +168,17 @@ class PagedModelRunner:
         recurrent_layers = [i for i, r in enumerate(recurrent) if r is not None]
         self._writes = {**{i: ("kv", n) for n, i in enumerate(attention_layers)},
                         **{i: ("state", n) for n, i in enumerate(recurrent_layers)}}
+        # per model layer: the context it reads (its KV-cache group's; a recurrent layer reads
+        # only the states, in any group's context) and whether it waits for the device first
+        # (its arrays hold an earlier layer's writes: `_wait_for_device`)
+        layout = kv_cache.layout
+        self._layer_steps = tuple(
+            (layout.group_of[n], n in layout.wait_before) if kind == "kv" else (0, False)
+            for kind, n in (self._writes[i] for i in range(len(self._writes))))
         self.dispatcher = dispatcher or Dispatcher()
         # one per attention layer (in KV-cache order); a forward plans each distinct one once
         # per KV-cache group
-        self.geometries: tuple[Geometry, ...] = tuple(
+        self.geometries = tuple(
             self.model.layers[i].self_attn.geometry(kv_cache.block_size, kv_cache.dtype,
                                                     kv_cache.heads_major)
             for i in attention_layers)
@@ -180,6 +187,21 @@ class PagedModelRunner:
         self.pipeline = pipeline  # None: on a GPU, for forwards of PIPELINE_MIN_TOKENS or more
         self.stats = RunnerStats()
         self._last_slots: tuple | None = None  # ((metadata, cache), its checked slots)
+
+    @property
+    def geometries(self) -> tuple[Geometry, ...]:
+        return self._geometries
+
+    @geometries.setter
+    def geometries(self, geometries: tuple[Geometry, ...]) -> None:
+        """Also the distinct (KV-cache group, geometry) pairs a forward plans once each, each
+        layer's pair among them, and the first layer of each (it runs the plan's entry check):
+        worked out here, not per forward."""
+        self._geometries = tuple(geometries)
+        kinds = list(zip(self.kv_cache.layout.group_of, self._geometries, strict=True))
+        self._kinds = tuple(dict.fromkeys(kinds))
+        self._kind_of = tuple(self._kinds.index(k) for k in kinds)
+        self._first_of_kind = frozenset(kinds.index(k) for k in self._kinds)
 
     def _check(self, meta: BatchMetadata) -> None:
         if not isinstance(meta, BatchMetadata):
@@ -221,11 +243,8 @@ class PagedModelRunner:
     def _plan(self, meta: BatchMetadata) -> tuple[tuple[ForwardAttention, ...], frozenset[int]]:
         """Each layer's planned attention, one plan per KV-cache group (its tables) and distinct
         geometry, and the layers that run each plan's entry check (the first of its kind)."""
-        kinds = list(zip(self.kv_cache.layout.group_of, self.geometries))
-        planned = {k: self.dispatcher.plan(meta.groups[k[0]].attn, k[1])
-                   for k in dict.fromkeys(kinds)}
-        first = frozenset(kinds.index(k) for k in planned)
-        return tuple(planned[k] for k in kinds), first
+        planned = [self.dispatcher.plan(meta.groups[group].attn, g) for group, g in self._kinds]
+        return tuple(planned[i] for i in self._kind_of), self._first_of_kind
 
     def forward(self, meta: BatchMetadata, prompt_rows: np.ndarray | None = None) -> mx.array:
         """Logits (float32), lazily: one row per request that samples (`meta.sample_req_ids`
@@ -239,7 +258,6 @@ class PagedModelRunner:
                                                                       meta.states)
         contexts = [ForwardContext(meta, self.kv_cache, slots, *plans, states=states)
                     for slots in self._slots(meta)]  # per group: its slots
-        layout = self.kv_cache.layout
         # mlx-lm's model loop, with no mask (causality and windows come from the metadata)
         inner = self.model.model
         pipeline = self.pipeline
@@ -250,16 +268,14 @@ class PagedModelRunner:
         unsent = 0  # the first layer whose writes have not been sent to the device
         try:
             hidden = self.architecture.embed(self.model, meta.input_ids)  # [T, hidden]: packed
-            for i, layer in enumerate(inner.layers):
-                kind, n = self._writes[i]  # its KV-cache layer, or its state cache layer
-                if kind == "kv" and n in layout.wait_before:  # its arrays hold earlier writes
+            for i, (layer, (group, waits)) in enumerate(zip(inner.layers, self._layer_steps, strict=True)):
+                if waits:
                     snapshot = None
                     if unsent == 0:
                         _release_last_step()
                     _wait_for_device(hidden, self._written(range(unsent, i)))
                     unsent = i
-                # a recurrent layer reads only the context's states: any group's context
-                hidden = layer(hidden, None, contexts[layout.group_of[n] if kind == "kv" else 0])
+                hidden = layer(hidden, None, contexts[group])
                 if pipeline and _sends_after(i):
                     # while the snapshot shares the arrays, an evaluated write would copy them
                     snapshot = None
