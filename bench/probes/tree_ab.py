@@ -34,7 +34,7 @@ import mlx.core as mx
 import numpy as np
 from mlx_lm.models.cache import make_prompt_cache
 
-from bench.prefill_setup import BLOCK_SIZE, DTYPE, HIT_FRACTIONS, MlxLmStep, hit_tokens
+from bench.prefill_setup import BLOCK_SIZE, DTYPE, HIT_FRACTIONS, MlxLmStep, PagedStep, hit_tokens
 
 PACKAGES = ("paged_prefix", "jit_kernels", "reference")
 PREFIX = "ab_"
@@ -85,19 +85,13 @@ class Tree:
         return self.metadata.build_batch_metadata([self.metadata.ScheduledRequest(
             "r", self.prompt, n, hit, n - hit, self.blocks)], BLOCK_SIZE, len(self.blocks) + 1)
 
-    def step(self, hit: int) -> PagedStep:
+    def step(self, hit: int) -> BuiltStep:
         runner = self.runner_mod.PagedModelRunner(self.base.model, self.base.kv_cache,
                                                   self.dispatch.Dispatcher("auto"))
-        return PagedStep(runner, self.meta(hit))
+        return BuiltStep(runner, self.meta(hit))
 
 
-class PagedStep:
-    def __init__(self, runner, meta):
-        self.runner, self.meta = runner, meta
-
-    def __call__(self) -> None:
-        mx.eval(self.runner.forward(self.meta), self.runner.kv_cache.arrays())
-
+class BuiltStep(PagedStep):
     def build(self) -> float:
         """Seconds to build the forward's graph; then evaluated, as a step."""
         t0 = time.perf_counter()
