@@ -6,7 +6,8 @@ Two measurements, each interleaved round by round:
   step       SmolLM2-135M float32 (convert_smollm2's folder), one row over C cached tokens:
              mlx-lm's model over its own cache against the paged runner (forward + argmax)
              over a token-major cache and over a heads-major one (`PagedKVCache.heads_major`,
-             what a server uses on the CPU);
+             what a server uses on the CPU), its pages in one run of blocks (read in place)
+             and, heads-major, in shuffled blocks (gathered, as a server's tables mostly are);
   attention  one layer's attention of that model (9 heads, 3 kv heads, D 64) for a decode row,
              30 layers' worth per evaluation: SDPA over mlx-lm's head-major cache as it reads
              it (a slice of [1, Hkv, T, D]); over token-major rows the runner's path
@@ -49,24 +50,27 @@ def step_times(context: int, rounds: int) -> dict[str, float]:
     num_blocks = (context + rounds) // BLOCK_SIZE + 2
     tokens = np.random.default_rng(0).integers(3, args.vocab_size, context + rounds).tolist()
     blocks = list(range(1, num_blocks))
+    tables = {"token-major": blocks, "heads-major": blocks, "heads-major scattered":
+              np.random.default_rng(1).permutation(blocks).tolist()}
     runners = {}
-    for name, heads_major in (("token-major", False), ("heads-major", True)):
+    for name, heads_major in (("token-major", False), ("heads-major", True),
+                              ("heads-major scattered", True)):
         paged, _ = load(folder)
         kv = PagedKVCache(args.num_hidden_layers, num_blocks, BLOCK_SIZE,
                           args.num_key_value_heads, args.hidden_size // args.num_attention_heads,
                           mx.float32, heads_major=heads_major)
         runners[name] = PagedModelRunner(paged, kv)
         runners[name].greedy(build_batch_metadata(
-            [ScheduledRequest("r", tokens[:context], context, 0, context, blocks)],
+            [ScheduledRequest("r", tokens[:context], context, 0, context, tables[name])],
             BLOCK_SIZE, num_blocks))
     cache = make_prompt_cache(dense)
     mx.eval(dense(mx.array([tokens[:context]]), cache=cache))
     times: dict[str, list[float]] = {"mlx-lm": [], **{name: [] for name in runners}}
     for i in range(rounds):
         n = context + i
-        meta = build_batch_metadata([ScheduledRequest("r", tokens[:n + 1], context, n, 1, blocks)],
-                                    BLOCK_SIZE, num_blocks)
         for name, runner in runners.items():
+            meta = build_batch_metadata([ScheduledRequest(
+                "r", tokens[:n + 1], context, n, 1, tables[name])], BLOCK_SIZE, num_blocks)
             start = time.perf_counter()
             runner.greedy(meta)
             times[name].append(time.perf_counter() - start)
