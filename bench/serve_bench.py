@@ -71,6 +71,11 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help=f"requests in flight at once (default {DEFAULT_CONCURRENCY}; 0: all at "
                         "once); 1 makes TTFT one request's prefill rather than the whole "
                         "batch's queue. Not with --against, which runs both")
+    p.add_argument("--request-rate", type=float, default=None,
+                   help="requests a second, arriving as a seeded Poisson process (vLLM's "
+                        "client); default: all at once. Over time, a request finds the prefixes "
+                        "of those before it already cached, where a burst's later requests wait "
+                        "behind the first prefills of theirs. Not with --against")
     p.add_argument("--client-timeout", type=float, default=1800.0,
                    help="seconds one benchmark client may run before it is stopped")
     p.add_argument("--against", choices=("mlx-lm",), default=None,
@@ -104,6 +109,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     if args.dtype == "bfloat16" and args.random_weights in CPU_SIZED:
         raise ValueError(f"--dtype: {args.random_weights} runs experts on MLX's CPU backend, "
                          "which takes float32 only")
+    if args.request_rate is not None and not args.request_rate > 0:
+        raise ValueError(f"--request-rate: expected > 0 requests a second, got {args.request_rate}")
+    if args.against and args.request_rate is not None:
+        raise ValueError("--request-rate: --against runs its own workloads")
     if args.against and args.max_concurrency is not None:
         raise ValueError("--max-concurrency: --against runs all at once and one at a time")
     if not args.against and args.max_concurrency is None:
@@ -138,6 +147,8 @@ def client_command(url: str, served_name: str, tokenizer: str, args: argparse.Na
                "--percentile-metrics", "ttft,tpot,e2el", "--metric-percentiles", "50,90",
                "--save-result", "--save-detailed", "--result-dir", str(args.out),
                "--result-filename", result_file]
+    if args.request_rate:
+        command += ["--request-rate", str(args.request_rate)]
     return command + (["--max-concurrency", str(max_concurrency)] if max_concurrency else [])
 
 
@@ -262,6 +273,8 @@ def workload_text(args: argparse.Namespace) -> str:
             f"{args.prefix_len}+{args.suffix_len} prompt tokens, {args.output_len} out")
     if args.max_concurrency is None:  # --against: its workloads say
         return text
+    if args.request_rate:
+        text += f", {args.request_rate:g} requests/s (Poisson)"
     return text + f", max concurrency {args.max_concurrency or 'all'}"
 
 
@@ -313,7 +326,7 @@ def main(argv=None) -> int:
     same = sum(a == b for a, b in zip(texts["off"], texts["on"]))
     workload = {k: getattr(args, k) for k in ("num_prefixes", "prompts_per_prefix", "prefix_len",
                                                "suffix_len", "output_len", "seed",
-                                               "max_concurrency")}
+                                               "max_concurrency", "request_rate")}
     summary = {"model": model, "workload": workload, "results": results,
                "outputs_identical": identical, "requests_identical": same,
                "num_requests": len(texts["off"])}

@@ -57,9 +57,9 @@ def path_fns(point: Point, g: Geometry, backend_name: str | None) -> dict:
     run_meta = build_attention_metadata(point.q_lens, ctx, [list(range(f, f + n)) for f, n in
                                                             zip(firsts, needed)],
                                         BLOCK_SIZE, case.k_cache.shape[0])
-    first_blocks = {s: firsts[s] + int(starts[s]) // BLOCK_SIZE for s in range(len(ctx))}
-    in_place = ContiguousSdpa().plan(run_meta.lengths, g, run_meta.block_tables,
-                                     first_blocks=first_blocks)
+    skip = [int(starts[s]) // BLOCK_SIZE for s in range(len(ctx))]  # pages left of the window
+    runs = {s: ((firsts[s] + skip[s], needed[s] - skip[s]),) for s in range(len(ctx))}
+    in_place = ContiguousSdpa().plan(run_meta.lengths, g, run_meta.block_tables, runs=runs)
     fns["in place"] = checked([(ContiguousSdpa(), in_place)], args)
     backend = available_backends().get(backend_name)
     if backend and backend.attention.unsupported_reason(g) is None:

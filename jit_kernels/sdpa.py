@@ -3,7 +3,9 @@
 - `ContiguousSdpa`: a sequence with nothing cached attends over its own new K/V rows (the
   cache is never read back, as with mlx-lm's contiguous cache); a sequence whose pages are one
   run of consecutive blocks (the route finds those) reads those rows of the cache in place, as
-  a strided view (under vLLM's allocator a lone conversation's blocks stay one run);
+  a strided view (under vLLM's allocator a lone conversation's blocks stay one run); one whose
+  pages are a few runs reads each in place, one softmax over them all (`reference.joined_sdpa`:
+  plain ops, for MLX's CPU backend, where SDPA is plain ops too);
 - `GatheredSdpa`: the pages are copied out first, by a backend's page-gather kernel (one launch
   for the batch) or by MLX's take where there is none;
 - `ReferenceAttention`: `reference.paged_attention`, the oracle, as an executor.
@@ -100,6 +102,30 @@ def _sdpa(q: mx.array, k: mx.array, v: mx.array, mask, g: Geometry, sinks,
         kv_laid_head_major=laid_head_major))
 
 
+def _attend_runs(q: mx.array, ks: list[mx.array], vs: list[mx.array], g: Geometry, sinks,
+                 calls: tuple[Span, ...]) -> mx.array:
+    """`_attend` over keys that lie in pieces ks, vs [1, Hkv, Li, D] (in key order), each
+    call over the pieces' share of its keys, one softmax over them."""
+    def cut(pieces: list[mx.array], k0: int, k1: int) -> list[mx.array]:
+        out, first = [], 0
+        for p in pieces:
+            n = p.shape[2]
+            if first < k1 and first + n > k0:
+                a, b = max(k0 - first, 0), min(k1 - first, n)
+                out.append(p if (a, b) == (0, n) else p[:, :, a:b])
+            first += n
+        return out
+
+    def call(qc: mx.array, c: Span) -> mx.array:
+        return reference.tokens_first(reference.joined_sdpa(
+            reference.heads_first(qc), cut(ks, c.k0, c.k1), cut(vs, c.k0, c.k1), g.scale, c.mask,
+            g.softcap, sinks))
+
+    if len(calls) == 1:
+        return call(q, calls[0])
+    return mx.concatenate([call(q[c.q0:c.q1], c) for c in calls], axis=0)
+
+
 def _assemble(out: mx.array | None, rows: list[mx.array], plan: Plan) -> mx.array:
     """The planned sequences' rows (in plan order) as [T, H, D]; see `interface`."""
     if out is None and plan.whole:
@@ -122,8 +148,9 @@ def _q_rows(q: mx.array, plan: Plan, s: int) -> mx.array:
 
 @dataclass(frozen=True)
 class ContiguousPlan(Plan):
-    # per planned sequence: its visible cache rows read in place, or None: its own new rows
-    sources: tuple[slice | None, ...]
+    # per planned sequence: its visible cache rows read in place (one slice a run of blocks),
+    # or None: its own new rows
+    sources: tuple[tuple[slice, ...] | None, ...]
     cache_rows: int  # the cache rows the reads in place need
     calls: tuple[tuple[Span, ...], ...]  # per planned sequence (`spans`)
 
@@ -146,25 +173,36 @@ class ContiguousSdpa(_OnMlx):
     name = "sdpa"
 
     def plan(self, lengths: Lengths, geometry: Geometry, block_tables: mx.array, seqs=None,
-             first_blocks: dict[int, int] | None = None,
+             runs: dict[int, tuple[tuple[int, int], ...]] | None = None,
              query_chunk: int | None = None) -> ContiguousPlan:
-        """`first_blocks`: for each planned sequence that sees cached keys, the block holding its
-        first visible key (`key_start`), its visible pages one run of consecutive blocks; the
-        others must see no cached key. `query_chunk`: see `plan_spans`."""
-        seqs, first_blocks = lengths.seqs(seqs), first_blocks or {}
+        """`runs`: for each planned sequence that sees cached keys, the runs of consecutive
+        blocks its visible pages form, from the block holding its first visible key
+        (`key_start`) on, each (first block, blocks): one run is read as a view, several are
+        joined in one softmax; the others must see no cached key. `query_chunk`: see
+        `plan_spans`."""
+        seqs, runs = lengths.seqs(seqs), runs or {}
         bs, lens = geometry.block_size, lengths.seq_lens
         starts = lengths.key_starts(geometry.window)
         sees_cache = starts < lens - lengths.q_lens
-        stray = sorted(set(first_blocks) - set(seqs))
-        cached = [s for s in seqs if sees_cache[s] and s not in first_blocks]
+        stray = sorted(set(runs) - set(seqs))
+        cached = [s for s in seqs if sees_cache[s] and s not in runs]
         if stray or cached:
-            raise ValueError(f"first_blocks: sequences {stray or cached} are not planned, or "
-                             "see cached keys with no run of blocks to read in place")
-        def rows(s: int) -> slice:  # noqa: E306
-            first = first_blocks[s] * bs + int(starts[s]) % bs
-            return slice(first, first + int(lens[s] - starts[s]))
-        sources = tuple(rows(s) if s in first_blocks else None for s in seqs)
-        cache_rows = max((r.stop for r in sources if r is not None), default=0)
+            raise ValueError(f"runs: sequences {stray or cached} are not planned, or see cached "
+                             "keys with no runs of blocks to read in place")
+        def rows(s: int) -> tuple[slice, ...]:  # noqa: E306
+            first_page, pages = int(starts[s]) // bs, -(-int(lens[s]) // bs)
+            if sum(n for _, n in runs[s]) != pages - first_page or \
+                    any(n < 1 or b < 0 for b, n in runs[s]):
+                raise ValueError(f"runs: sequence {s}'s runs {runs[s]} do not hold its "
+                                 f"{pages - first_page} visible pages")
+            skip, left, out = int(starts[s]) % bs, int(lens[s] - starts[s]), []
+            for b, n in runs[s]:
+                take = min(n * bs - skip, left)
+                out.append(slice(b * bs + skip, b * bs + skip + take))
+                skip, left = 0, left - take
+            return tuple(out)
+        sources = tuple(rows(s) if s in runs else None for s in seqs)
+        cache_rows = max((r.stop for rs in sources if rs is not None for r in rs), default=0)
         return ContiguousPlan(geometry, lengths, block_tables, seqs, sources, cache_rows,
                               plan_spans(lengths, geometry, seqs, query_chunk,
                                          starts[list(seqs)]))
@@ -191,7 +229,12 @@ class ContiguousSdpa(_OnMlx):
                     ks, vs = ks.astype(g.dtype), vs.astype(g.dtype)
             else:
                 rows = rows or (as_rows(k_cache, g), as_rows(v_cache, g))
-                ks, vs = rows[0][source], rows[1][source]
+                if len(source) > 1:
+                    outs.append(_attend_runs(
+                        _q_rows(q, plan, s), [reference.heads_first(rows[0][r]) for r in source],
+                        [reference.heads_first(rows[1][r]) for r in source], g, sinks, calls))
+                    continue
+                ks, vs = rows[0][source[0]], rows[1][source[0]]
             outs.append(_attend(_q_rows(q, plan, s), reference.heads_first(ks),
                                 reference.heads_first(vs), g, sinks, calls,
                                 laid_head_major=source is not None and g.heads_major))

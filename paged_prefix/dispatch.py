@@ -7,8 +7,8 @@ layer.
 
 The route's sequences go to their executors (`jit_kernels.interface`): the paged kernel first
 (its output holds every row), then the prefill kernel, then SDPA over new rows or pages read in
-place, then SDPA over gathered pages, each writing its sequences' rows into the output of the
-one before.
+place (one run of blocks, or a few), then SDPA over gathered pages, each writing its sequences'
+rows into the output of the one before.
 
 The geometry carries the layer's attention variant (window, softcap, sinks: `reference.contract`),
 so a model whose layers differ plans once per kind of layer. A batch planned again (the same
@@ -146,8 +146,8 @@ class Dispatcher:
         if backend is not None:
             add(backend.attention, r.seqs(Source.PAGED))
             add(backend.prefill, r.seqs(Source.PREFILL))
-        add(_CONTIGUOUS, r.seqs(Source.NEW_ROWS, Source.IN_PLACE),
-            first_blocks=dict(r.first_blocks))
+        add(_CONTIGUOUS, r.seqs(Source.NEW_ROWS, Source.IN_PLACE, Source.RUNS),
+            runs=dict(r.page_runs))
         add(self._gatherer(backend, g), r.seqs(Source.GATHERED))
         return tuple(parts)
 

@@ -5,6 +5,9 @@ Sources, per sequence:
   PREFILL    the backend's prefill kernel (Hopper: long suffixes read their pages in place);
   NEW_ROWS   SDPA over its own new K/V (nothing cached: the cache is never read back);
   IN_PLACE   SDPA over its pages read in place (one run of consecutive blocks);
+  RUNS       one softmax over its pages' few runs of blocks, each read in place (MLX's CPU
+             backend, where the only gather is MLX's take: `MAX_JOINED_RUNS`,
+             `MIN_KEYS_PER_JOINED_RUN`);
   GATHERED   SDPA over its pages copied out (the backend's gather kernel, or MLX's take);
   REFERENCE  the gather-based reference (forced, or a kernel failed its first-use check).
 
@@ -32,24 +35,32 @@ class Source(enum.Enum):
     PREFILL = "prefill kernel"
     NEW_ROWS = "uncached"
     IN_PLACE = "read in place"
+    RUNS = "runs read in place"
     GATHERED = "gathered"
     REFERENCE = "reference"
 
 
-SDPA_SOURCES = (Source.NEW_ROWS, Source.IN_PLACE, Source.GATHERED)
+SDPA_SOURCES = (Source.NEW_ROWS, Source.IN_PLACE, Source.RUNS, Source.GATHERED)
+# On MLX's CPU backend a decode row's attention over a heads-major cache's pages in R runs costs
+# about one read in place plus R ops a layer; MLX's take, about 2.5 ns a key's element: joined
+# runs measured faster where they hold 32 keys or more on average, up to 32 runs (448 and 1024
+# keys; bench/probes/cpu_decode.py, "runs joined" / "runs taken": docs/cpu.md).
+MAX_JOINED_RUNS = 32
+MIN_KEYS_PER_JOINED_RUN = 32
+Run = tuple[int, int]  # a run of consecutive blocks: its first block, its number of blocks
 
 
 @dataclass(frozen=True)
 class Route:
     """One forward's decision: `path` names it (reference, sdpa, a backend, or mixed: a
     backend's paged kernel beside SDPA), `backend` whose kernels run, `sources` per sequence,
-    `first_blocks` the first block of each IN_PLACE sequence."""
+    `page_runs` the runs of blocks of each IN_PLACE (one run) or RUNS sequence."""
 
     path: str
     reason: str
     backend: str | None
     sources: tuple[Source, ...]
-    first_blocks: tuple[tuple[int, int], ...] = ()
+    page_runs: tuple[tuple[int, tuple[Run, ...]], ...] = ()
 
     def seqs(self, *sources: Source) -> tuple[int, ...]:
         return tuple(s for s, source in enumerate(self.sources) if source in sources)
@@ -65,24 +76,39 @@ class Route:
 
 
 def page_runs(block_tables: np.ndarray, lengths: Lengths, seqs, block_size: int,
-              starts: np.ndarray | None = None) -> dict[int, int]:
-    """Of the sequences `seqs`, those whose visible pages (from the one holding key
-    `starts[s]`, 0 when None) are one run of consecutive blocks (b, b + 1, ...: their K/V are contiguous
-    rows of the cache, readable in place), each with the run's first block. `block_tables`:
-    the host copy of the table the calls pass, [S, max_blocks]."""
+              starts: np.ndarray | None = None) -> dict[int, tuple[Run, ...]]:
+    """Of the sequences `seqs`, the runs of consecutive blocks (b, b + 1, ...: their K/V are
+    contiguous rows of the cache, readable in place) that their visible pages (from the one
+    holding key `starts[s]`, 0 when None) form, in key order. `block_tables`: the host copy of
+    the table the calls pass, [S, max_blocks]."""
     runs = {}
     for s in seqs:
         n = -(-int(lengths.seq_lens[s]) // block_size)
         first = 0 if starts is None else int(starts[s]) // block_size
         row = block_tables[s, first:n].astype(np.int64)
-        if (np.diff(row) == 1).all():
-            runs[int(s)] = int(row[0])
+        bounds = [0, *(np.flatnonzero(np.diff(row) != 1) + 1).tolist(), len(row)]
+        runs[int(s)] = tuple((int(row[a]), b - a) for a, b in zip(bounds[:-1], bounds[1:]))
     return runs
 
 
-def _sdpa_sources(sees_cache: np.ndarray, seqs, runs: dict[int, int]) -> dict[int, Source]:
-    return {s: Source.GATHERED if sees_cache[s] and s not in runs else
-            Source.IN_PLACE if sees_cache[s] else Source.NEW_ROWS for s in seqs}
+def one_run(runs: dict[int, tuple[Run, ...]]) -> dict[int, int]:
+    """Of `page_runs`' answer, the sequences whose pages are one run, with its first block."""
+    return {s: r[0][0] for s, r in runs.items() if len(r) == 1}
+
+
+def _sdpa_sources(sees_cache: np.ndarray, seqs, runs: dict[int, tuple[Run, ...]],
+                  keys: np.ndarray | None) -> dict[int, Source]:
+    """`keys`: each sequence's visible keys where runs may be joined (else None)."""
+    def source(s: int) -> Source:
+        if not sees_cache[s]:
+            return Source.NEW_ROWS
+        n = len(runs[s])
+        if n == 1:
+            return Source.IN_PLACE
+        joined = keys is not None and n <= MAX_JOINED_RUNS and \
+            keys[s] >= MIN_KEYS_PER_JOINED_RUN * n
+        return Source.RUNS if joined else Source.GATHERED
+    return {s: source(s) for s in seqs}
 
 
 def route(lengths: Lengths, block_tables: np.ndarray, geometry: Geometry, path: str,
@@ -97,16 +123,20 @@ def route(lengths: Lengths, block_tables: np.ndarray, geometry: Geometry, path: 
     sees_cache = starts < lengths.seq_lens - lengths.q_lens
     runs = page_runs(block_tables, lengths, np.flatnonzero(sees_cache), g.block_size,
                      starts)  # once per forward
+    # runs joined in one softmax where MLX's take is the only gather: the CPU, measured there
+    keys = lengths.seq_lens - starts if not backends and g.heads_major else None
 
     def with_sdpa(reason: str, backend: str | None, picked=range(n), prefill=(),
                   rest=Source.PAGED) -> Route:
         sources = dict.fromkeys(range(n), rest)
-        sources.update(_sdpa_sources(sees_cache, [s for s in picked if s not in prefill], runs))
+        sources.update(_sdpa_sources(sees_cache, [s for s in picked if s not in prefill], runs,
+                                     keys))
         sources.update(dict.fromkeys(prefill, Source.PREFILL))
-        first_blocks = tuple((s, runs[s]) for s in range(n) if sources[s] is Source.IN_PLACE)
+        read = tuple((s, runs[s]) for s in range(n)
+                     if sources[s] in (Source.IN_PLACE, Source.RUNS))
         mixed = Source.PAGED in sources.values()
         return Route("mixed" if mixed else "sdpa", reason, backend,
-                     tuple(sources[s] for s in range(n)), first_blocks)
+                     tuple(sources[s] for s in range(n)), read)
 
     gatherer = next((name for name, b in backends.items()
                      if b.gathered.unsupported_reason(g) is None), None)
@@ -127,7 +157,7 @@ def route(lengths: Lengths, block_tables: np.ndarray, geometry: Geometry, path: 
     why_not = backend.attention.unsupported_reason(g)
     if why_not:
         return with_sdpa(f"{name} kernel: {why_not}", gatherer)
-    pick = rules[name](lengths, g, runs)
+    pick = rules[name](lengths, g, one_run(runs))
     if pick is None:
         return Route(name, "kernel supports the call and the measured rule picks it", name,
                      (Source.PAGED,) * n)

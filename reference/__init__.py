@@ -7,6 +7,7 @@ from .contract import check_arrays, check_lengths, check_paged_inputs, check_var
 from .paged_attention import (
     gather_kv,
     heads_first,
+    joined_sdpa,
     key_start,
     masked_sdpa,
     paged_attention,
@@ -16,5 +17,5 @@ from .paged_attention import (
 )
 
 __all__ = ["check_arrays", "check_lengths", "check_paged_inputs", "check_variant", "gather_kv",
-           "heads_first", "host_ints", "key_start", "masked_sdpa", "paged_attention", "sdpa",
-           "tokens_first", "window_mask"]
+           "heads_first", "host_ints", "joined_sdpa", "key_start", "masked_sdpa",
+           "paged_attention", "sdpa", "tokens_first", "window_mask"]

@@ -4,7 +4,7 @@ Each sequence's visible K/V (from `key_start` on) are gathered from its block ta
 contiguous arrays, then `mx.fast.scaled_dot_product_attention` runs with the "causal" mask,
 which MLX aligns bottom-right when there are fewer queries than keys, and which takes Hkv < H
 heads natively (no repeated K/V). A window that cuts inside the gathered keys becomes a boolean
-mask; softcapped logits, which SDPA cannot take, run as plain ops in float32.
+mask; softcapped logits, which SDPA cannot take, run as plain ops in float32 (`joined_sdpa`).
 """
 
 from __future__ import annotations
@@ -37,15 +37,28 @@ def window_mask(q_len: int, k_len: int, window: int | None) -> mx.array | str | 
     return (k_pos <= q_pos) & (k_pos > q_pos - window)
 
 
-def _softcapped(q, k, v, scale: float, mask, softcap: float, sinks) -> mx.array:
-    """Attention with logits cap * tanh(scale q.k / cap), as plain float32 ops."""
+def joined_sdpa(q: mx.array, ks, vs, scale: float, mask, softcap: float | None = None,
+                sinks: mx.array | None = None) -> mx.array:
+    """Attention over the keys of several K/V pieces as over their concatenation, in plain
+    float32 ops, without copying the pieces together: one softmax over every piece's scores,
+    then each piece's share of the values. So pages that lie in a few runs of blocks are read
+    where they lie, and softcapped logits (cap * tanh(scale q.k / cap)), which SDPA cannot
+    take, run here too.
+
+    q [1, H, Lq, D] at the last Lq positions of the joined keys; ks, vs: pieces [1, Hkv, Li, D]
+    in key order; `mask` for [Lq, sum Li] as `masked_sdpa` takes it.
+    """
     _, heads, q_len, head_dim = q.shape
-    kv_heads, k_len = k.shape[1], k.shape[2]
+    kv_heads = ks[0].shape[1]
     group = heads // kv_heads
-    qg = q.astype(mx.float32).reshape(1, kv_heads, group, q_len, head_dim)
-    kf, vf = k.astype(mx.float32)[:, :, None], v.astype(mx.float32)[:, :, None]
-    s = (qg @ kf.swapaxes(-1, -2)) * scale  # [1, Hkv, G, Lq, Lk]
-    s = softcap * mx.tanh(s / softcap)
+    k_len = sum(k.shape[2] for k in ks)
+    # a kv head's queries stacked, so each piece is one matmul with no broadcast K
+    qg = q.astype(mx.float32).reshape(1, kv_heads, group * q_len, head_dim)
+    s = mx.concatenate([qg @ k.astype(mx.float32).swapaxes(-1, -2) for k in ks], axis=-1) \
+        if len(ks) > 1 else qg @ ks[0].astype(mx.float32).swapaxes(-1, -2)
+    s = s.reshape(1, kv_heads, group, q_len, k_len) * scale
+    if softcap is not None:
+        s = softcap * mx.tanh(s / softcap)
     if isinstance(mask, str):  # "causal", bottom-right
         mask = mx.arange(k_len)[None, :] <= mx.arange(k_len - q_len, k_len)[:, None]
     if mask is not None:
@@ -54,8 +67,13 @@ def _softcapped(q, k, v, scale: float, mask, softcap: float, sinks) -> mx.array:
         sink = mx.broadcast_to(sinks.astype(mx.float32).reshape(1, kv_heads, group, 1, 1),
                                (*s.shape[:-1], 1))
         s = mx.concatenate([s, sink], axis=-1)
-    p = mx.softmax(s, axis=-1, precise=True)[..., :k_len]
-    return (p @ vf).reshape(1, heads, q_len, head_dim).astype(q.dtype)
+    p = mx.softmax(s, axis=-1, precise=True).reshape(1, kv_heads, group * q_len, -1)
+    out, first = None, 0
+    for v in vs:
+        n = v.shape[2]
+        part = p[..., first:first + n] @ v.astype(mx.float32)
+        out, first = part if out is None else out + part, first + n
+    return out.reshape(1, heads, q_len, head_dim).astype(q.dtype)
 
 
 def sdpa(q: mx.array, k: mx.array, v: mx.array, scale: float, window: int | None = None,
@@ -83,7 +101,7 @@ def masked_sdpa(q: mx.array, k: mx.array, v: mx.array, scale: float, mask,
     is untouched.
     """
     if softcap is not None:
-        return _softcapped(q, k, v, scale, mask, softcap, sinks)
+        return joined_sdpa(q, (k,), (v,), scale, mask, softcap, sinks)
     extra = {} if sinks is None else {"sinks": sinks.astype(mx.float32)}
     if mx.default_device() == mx.cpu:
         half = q.dtype in _HALF

@@ -103,8 +103,9 @@ class PagedCase:
     Pages no sequence owns hold NaN, and every block-table entry past a sequence's pages points
     at one of them, so a kernel that reads a wrong page or through padding produces NaN.
     `runs[s]` true gives sequence s one run of consecutive blocks instead, past the shuffled
-    ones, with an unowned (NaN) block before and after it. `k_ramp` scales key p of a sequence of
-    n by 1 + k_ramp p / n: late keys' scores far above early ones' (split parts that disagree).
+    ones, with an unowned (NaN) block before and after it; an int n > 1, n such runs. `k_ramp`
+    scales key p of a sequence of n by 1 + k_ramp p / n: late keys' scores far above early
+    ones' (split parts that disagree).
     With a `window`, the pages wholly left of each sequence's first visible key hold NaN too
     (what vLLM's hybrid manager leaves there is the null block or another request's).
     """
@@ -127,8 +128,11 @@ class PagedCase:
             table[s, :n] = ids[a:a + n]
         if runs is not None:  # past the shuffled pages, with an unowned block around each run
             for s in np.flatnonzero(runs):
-                table[s, :needed[s]] = np.arange(num_blocks + 1, num_blocks + 1 + needed[s])
-                num_blocks += int(needed[s]) + 1
+                pages = []
+                for part in np.array_split(np.arange(needed[s]), int(runs[s])):
+                    pages += range(num_blocks + 1, num_blocks + 1 + len(part))
+                    num_blocks += len(part) + 1
+                table[s, :needed[s]] = pages
             num_blocks += 1
         self.tables = table
         self.pages = [table[s, :n].tolist() for s, n in enumerate(needed)]  # without padding

@@ -6,15 +6,19 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
+import reference
 from jit_kernels import GatheredSdpa
 from jit_kernels.arrays import as_pages, as_rows
 from jit_kernels.geometry import HEADS_MAJOR_REASON, Geometry, unsupported_reason
 from jit_kernels.page_gather import PageGather
+from paged_prefix import route
+from paged_prefix.dispatch import Dispatcher
 from paged_prefix.kv_cache import PagedKVCache, heads_major_here
 from paged_prefix.metadata import ScheduledRequest, build_batch_metadata
 from paged_prefix.models import build_model, resolve_config
+from paged_prefix.route import Source, page_runs
 from paged_prefix.runner import PagedModelRunner
-from tests.conftest import DTYPES, ON_GPU
+from tests.conftest import DTYPES, ON_GPU, PagedCase, assert_close
 
 
 @pytest.mark.parametrize("dtype", DTYPES.values(), ids=DTYPES)
@@ -43,9 +47,12 @@ def test_writes_land_where_token_major_writes_do(dtype, head_dim):
 @pytest.mark.skipif(ON_GPU, reason="a CPU-backend layout (heads_major_here): on a GPU the token-major "
                     "forward runs the kernels, whose fp16/bf16 rounding is not SDPA's")
 @pytest.mark.parametrize("dtype", DTYPES.values(), ids=DTYPES)
-def test_forwards_equal_token_major_bit_for_bit(dtype):
+def test_forwards_equal_token_major_bit_for_bit(dtype, monkeypatch):
     """A prefill, a cached-prefix chunk beside a fresh request, a decode row, over pages in
-    one run (read in place) and shuffled (gathered): the same logits and the same cache."""
+    one run (read in place) and shuffled (gathered: pages in a few runs are read in place by
+    the next test's path, which is not SDPA's arithmetic): the same logits and the same
+    cache."""
+    monkeypatch.setattr(route, "MAX_JOINED_RUNS", 1)
     cfg = resolve_config("llama-tiny")
     rng = np.random.default_rng(1)
     prompt = rng.integers(3, cfg["vocab_size"], 300).tolist()
@@ -71,6 +78,31 @@ def test_forwards_equal_token_major_bit_for_bit(dtype):
     assert runner.dispatcher.counts["sdpa"] > 0
     for a, b in zip(*results):
         np.testing.assert_array_equal(a, b)
+
+
+@pytest.mark.parametrize("dtype", DTYPES.values(), ids=DTYPES)
+def test_pages_in_a_few_runs_are_read_where_they_lie(dtype, monkeypatch):
+    """On MLX's CPU route a heads-major sequence whose pages lie in a few runs of blocks, at
+    least MIN_KEYS_PER_JOINED_RUN keys a run, attends over each run in place, one softmax over
+    them all, and nothing is gathered; shorter runs are gathered. Against the float64 oracle,
+    decode rows and suffixes."""
+    c = PagedCase([5, 1, 1, 40, 3, 2], [155, 250, 300, 0, 45, 60], 8, 2, 64, 16, dtype, seed=7,
+                  runs=[3, 4, False, False, 1, 2])
+    runs = {s: len(r) for s, r in page_runs(c.tables, c.lengths, range(6), 16).items()}
+    assert (runs[0], runs[1], runs[4], runs[5]) == (3, 4, 1, 2) and runs[2] > 2
+    assert 2 * route.MIN_KEYS_PER_JOINED_RUN > c.seq_lens[5]  # 62 keys in 2 runs
+    gathered = []
+    monkeypatch.setattr(reference, "gather_kv",
+                        lambda *a, gather_kv=reference.gather_kv: gathered.append(a[3])
+                        or gather_kv(*a))
+    g = Geometry(8, 2, 64, 16, dtype, 0.125, heads_major=True)
+    d = Dispatcher("auto", backends={})
+    caches = [x.reshape(-1, 2, 64).transpose(1, 0, 2) for x in (c.k_cache, c.v_cache)]
+    out = c.forward(d, g, *caches)
+    assert_close(out, c.oracle(0.125), dtype)
+    assert d.last.sources == (Source.RUNS, Source.RUNS, Source.GATHERED, Source.NEW_ROWS,
+                              Source.IN_PLACE, Source.GATHERED)
+    assert gathered == [int(c.seq_lens[2]), int(c.seq_lens[5])]
 
 
 def test_no_kernel_takes_a_heads_major_cache():

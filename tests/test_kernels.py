@@ -29,7 +29,7 @@ from jit_kernels import hopper_paged_attention as hopper_attention
 from jit_kernels import plan as tile_plan
 from jit_kernels.geometry import Geometry, Lengths
 from paged_prefix import rules
-from paged_prefix.route import page_runs
+from paged_prefix.route import one_run, page_runs
 from tests.conftest import (
     HAS_CUDA,
     HAS_METAL,
@@ -455,7 +455,8 @@ def ask(rule, cu, lens, g, table=None):
     (none without one: every cached prefix gathered)."""
     lengths = Lengths.of(cu, lens)
     cached = [s for s in range(lengths.num_seqs) if lengths.seq_lens[s] > lengths.q_lens[s]]
-    runs = {} if table is None else page_runs(np.asarray(table), lengths, cached, g.block_size)
+    runs = {} if table is None else one_run(page_runs(np.asarray(table), lengths, cached,
+                                                      g.block_size))
     return rule(lengths, g, runs)
 
 

@@ -83,16 +83,18 @@ def test_sdpa_path_reads_runs_of_pages_in_place(dtype, monkeypatch):
         c.forward(d, g, c.k_cache[:-2], c.v_cache[:-2])
 
 
-@pytest.mark.parametrize("first_blocks, match", [
-    ({2: 0}, "sequences \\[2\\] are not planned"),
-    ({}, "sequences \\[0, 1, 4\\] .* no run of blocks"),
+@pytest.mark.parametrize("runs, match", [
+    ({2: ((0, 1),)}, "sequences \\[2\\] are not planned"),
+    ({}, "sequences \\[0, 1, 4\\] .* no runs of blocks"),
+    ({0: ((0, 4),), 1: ((5, 2), (9, 4)), 4: ((20, 4),)}, "sequence 1's runs .* do not hold its 5"),
+    ({0: ((0, 3),), 1: ((5, 2), (9, 3)), 4: ((20, 4),)}, "sequence 0's runs .* do not hold its 4"),
 ])
-def test_sdpa_in_place_plan_refuses_what_it_cannot_read(first_blocks, match):
+def test_sdpa_in_place_plan_refuses_what_it_cannot_read(runs, match):
     """Only planned sequences read in place, and every planned one with a cached prefix must."""
     c = PagedCase([9, 1, 30, 4, 16], [40, 70, 0, 0, 33], 8, 2, 64, 16, mx.float32, seed=6)
     with pytest.raises(ValueError, match=match):
         ContiguousSdpa().plan(c.lengths, Geometry(8, 2, 64, 16, mx.float32, 0.125),
-                              c.block_tables, (0, 1, 3, 4), first_blocks=first_blocks)
+                              c.block_tables, (0, 1, 3, 4), runs=runs)
 
 
 def test_oracle_catches_a_wrong_page():

@@ -59,9 +59,9 @@ def test_second_request_hits_and_runner_computes_only_the_suffix():
 
 def test_a_conversation_reads_its_history_in_place(monkeypatch):
     """With vLLM's allocator a lone conversation's blocks stay one run, turn after turn: the
-    second turn's prefill reads its cached history in place (no gather), while a request that
-    shares only the first turn's prefix gathers it; tokens as with caching off."""
-    planned = []  # per forward: (sequences with a cached prefix, those read in place)
+    second turn's prefill reads its cached history in place as one run, while a request that
+    shares only the first turn's prefix finds its pages in several; tokens as with caching off."""
+    planned = []  # per forward: (sequences with a cached prefix, their runs of blocks)
     page_runs = route.page_runs
 
     def spy(table, lengths, seqs, block_size, starts=None):
@@ -84,7 +84,7 @@ def test_a_conversation_reads_its_history_in_place(monkeypatch):
             engine.run_to_completion()
         prefill = planned[0]  # the request's first forward: its prefill
         assert engines[1].results[req_id].cached_tokens > 0 and prefill[0] == [0]
-        assert bool(prefill[1]) == (req_id == "turn2"), (req_id, prefill)
+        assert (len(prefill[1][0]) == 1) == (req_id == "turn2"), (req_id, prefill)
     assert outputs(engines[1]) == outputs(engines[0])
 
 

@@ -33,10 +33,22 @@ def test_no_hits_are_explained_only_where_the_prefix_is_shorter_than_a_block():
     (["--dtype", "float32"], "--dtype"),  # a --model folder keeps its own dtype
     (["--random-weights", "qwen3-next-small", "--dtype", "bfloat16"], "--dtype"),
     (["--random-weights", "llama-1b", "--prefix-len", "0"], "--prefix-len"),
+    (["--request-rate", "0"], "--request-rate"),
+    (["--request-rate", "nan"], "--request-rate"),
+    (["--against", "mlx-lm", "--request-rate", "2"], "--request-rate"),
 ])
 def test_bad_command_lines_name_the_option(argv, field):
     with pytest.raises(ValueError, match=field):
         serve_bench.parse_args(argv)
+
+
+def test_a_request_rate_reaches_the_client_and_the_workload_line():
+    args = serve_bench.parse_args(["--request-rate", "2.5"])
+    command = serve_bench.client_command("http://h", "m", "t", args, 0, 8, "r.json")
+    assert command[command.index("--request-rate") + 1] == "2.5"
+    assert "2.5 requests/s (Poisson)" in serve_bench.workload_text(args)
+    assert "--request-rate" not in serve_bench.client_command(
+        "http://h", "m", "t", serve_bench.parse_args([]), 0, 8, "r.json")
 
 
 def test_random_weights_take_the_dtype_asked_for():

@@ -20,7 +20,7 @@ from jit_kernels.interface import PagedAttentionKernel, Plan
 from jit_kernels.sdpa import WINDOW_CHUNK_Q
 from paged_prefix.attention_metadata import build_attention_metadata
 from paged_prefix.dispatch import Dispatcher
-from paged_prefix.route import Source
+from paged_prefix.route import Source, page_runs
 from tests.conftest import PagedCase, assert_close
 from tests.test_dispatch import FakeGather, never
 
@@ -186,7 +186,7 @@ def test_each_groups_metadata_keeps_its_plans():
 
 
 @pytest.mark.parametrize("variant", [{}, {"softcap": 30.0}, {"sinks": True}])
-@pytest.mark.parametrize("source", ["new rows", "in place", "gathered"])
+@pytest.mark.parametrize("source", ["new rows", "in place", "runs", "gathered"])
 def test_a_long_windowed_prompt_attends_chunk_by_chunk(source, variant):
     """Each chunk of queries attends over the keys its window reaches, and nothing else: the
     pages left of each chunk's first visible key hold NaN for the chunk (they are another
@@ -202,10 +202,10 @@ def test_a_long_windowed_prompt_attends_chunk_by_chunk(source, variant):
         plan = executor.plan(lengths, g, c.block_tables, query_chunk=chunk)
     else:
         executor = ContiguousSdpa()
-        start = int(lengths.key_starts(window)[0])
-        first_blocks = {0: c.pages[0][start // BS]} if ctx else {}
-        plan = executor.plan(lengths, g, c.block_tables, first_blocks=first_blocks,
-                             query_chunk=chunk)
+        runs = page_runs(np.asarray(c.block_tables), lengths, [0], BS,
+                         lengths.key_starts(window)) if ctx else {}
+        assert all((len(r) > 1) == (source == "runs") for r in runs.values())
+        plan = executor.plan(lengths, g, c.block_tables, runs=runs, query_chunk=chunk)
     calls = plan.calls[0]
     assert len(calls) == -(-q_len // chunk) and calls[-1].q1 == q_len
     assert all(0 < c_.k1 - c_.k0 <= chunk + window - 1 for c_ in calls)

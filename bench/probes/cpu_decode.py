@@ -7,12 +7,15 @@ Two measurements, each interleaved round by round:
              mlx-lm's model over its own cache against the paged runner (forward + argmax)
              over a token-major cache and over a heads-major one (`PagedKVCache.heads_major`,
              what a server uses on the CPU), its pages in one run of blocks (read in place)
-             and, heads-major, in shuffled blocks (gathered, as a server's tables mostly are);
+             and, heads-major, in three runs (each read in place, one softmax over them:
+             `reference.joined_sdpa`) and in shuffled blocks (past MAX_JOINED_RUNS: gathered);
   attention  one layer's attention of that model (9 heads, 3 kv heads, D 64) for a decode row,
              30 layers' worth per evaluation: SDPA over mlx-lm's head-major cache as it reads
              it (a slice of [1, Hkv, T, D]); over token-major rows the runner's path
              (`reference.masked_sdpa` copies them head-major first), that copy alone, and SDPA
-             straight over them; over a heads-major cache's rows read in place.
+             straight over them; over a heads-major cache's rows read in place; and over
+             its pages in R runs of blocks, read in place (joined) or gathered by MLX's take:
+             the measurement behind `paged_prefix.route.MAX_JOINED_RUNS`.
 MLX's CPU matmul takes a matrix only with unit stride in one dimension and the other equal to
 its width, so in vLLM's token-major layout [blocks, block_size, Hkv, D] each kv head's rows
 (stride Hkv * D) are copied, or strided through, every layer and step.
@@ -47,14 +50,18 @@ def step_times(context: int, rounds: int) -> dict[str, float]:
     folder = str(smollm2_folder("float32"))
     dense, _ = load(folder)
     args = dense.args
-    num_blocks = (context + rounds) // BLOCK_SIZE + 2
+    needed = (context + rounds) // BLOCK_SIZE + 1
+    num_blocks = needed + 10
     tokens = np.random.default_rng(0).integers(3, args.vocab_size, context + rounds).tolist()
-    blocks = list(range(1, num_blocks))
-    tables = {"token-major": blocks, "heads-major": blocks, "heads-major scattered":
-              np.random.default_rng(1).permutation(blocks).tolist()}
+    blocks = list(range(1, needed + 1))
+    # three runs, 4 blocks apart: a lone served request's cached prefix and its later blocks
+    in_runs = [b + 4 * r for r, part in enumerate(np.array_split(blocks, 3)) for b in part]
+    tables = {"token-major": blocks, "heads-major": blocks, "heads-major 3 runs": in_runs,
+              "heads-major scattered":
+              np.random.default_rng(1).permutation(num_blocks - 1)[:needed] + 1}
     runners = {}
     for name, heads_major in (("token-major", False), ("heads-major", True),
-                              ("heads-major scattered", True)):
+                              ("heads-major 3 runs", True), ("heads-major scattered", True)):
         paged, _ = load(folder)
         kv = PagedKVCache(args.num_hidden_layers, num_blocks, BLOCK_SIZE,
                           args.num_key_value_heads, args.hidden_size // args.num_attention_heads,
@@ -81,6 +88,30 @@ def step_times(context: int, rounds: int) -> dict[str, float]:
     return {k: median_ms(v[2:]) for k, v in times.items()}
 
 
+RUN_COUNTS = (2, 4, 16, 32)
+
+
+def run_table(context: int, n: int) -> np.ndarray:
+    """A block table of `context` keys in n runs of blocks, 3 blocks apart."""
+    parts = np.array_split(np.arange(-(-context // BLOCK_SIZE)), n)
+    return np.concatenate([part + 3 * r for r, part in enumerate(parts)]).astype(np.int32)
+
+
+def pieces(k: mx.array, v: mx.array, table: np.ndarray) -> tuple[list, list]:
+    """A heads-major cache's [Hkv, rows, D] rows of the table's runs, each as a view."""
+    breaks = [0, *(np.flatnonzero(np.diff(table) != 1) + 1), len(table)]
+    rows = [slice(int(table[a]) * BLOCK_SIZE, (int(table[a]) + b - a) * BLOCK_SIZE)
+            for a, b in zip(breaks[:-1], breaks[1:])]
+    return [k[None, :, r] for r in rows], [v[None, :, r] for r in rows]
+
+
+def as_pages_of(cache_heads) -> list[tuple[mx.array, mx.array]]:
+    """[Hkv, rows, D] caches as [blocks, BLOCK_SIZE, Hkv, D] views, as MLX's take reads them."""
+    def view(x):
+        return x.reshape(KV_HEADS, -1, BLOCK_SIZE, HEAD_DIM).transpose(1, 2, 0, 3)
+    return [(view(k), view(v)) for k, v in cache_heads]
+
+
 def attention_times(context: int, rounds: int) -> dict[str, float]:
     scale = HEAD_DIM ** -0.5
     normal = mx.random.normal
@@ -88,7 +119,7 @@ def attention_times(context: int, rounds: int) -> dict[str, float]:
     # mlx-lm's cache: [1, Hkv, allocated, D], read as a slice; the paged cache's token rows
     heads_major = [(normal((1, KV_HEADS, context + 256, HEAD_DIM)),) * 2 for _ in range(LAYERS)]
     rows = [(normal((4 * context, KV_HEADS, HEAD_DIM)),) * 2 for _ in range(LAYERS)]
-    cache_heads = [(normal((KV_HEADS, 4 * context, HEAD_DIM)),) * 2 for _ in range(LAYERS)]
+    cache_heads = [(normal((KV_HEADS, 4 * context + 2048, HEAD_DIM)),) * 2 for _ in range(LAYERS)]
     mx.eval(q, heads_major, rows, cache_heads)
     visible = slice(context, 2 * context)
 
@@ -110,6 +141,14 @@ def attention_times(context: int, rounds: int) -> dict[str, float]:
             q[i], k[None, :, visible], v[None, :, visible], scale, None, kv_laid_head_major=True)
             for i, (k, v) in enumerate(cache_heads)],
     }
+    pages = as_pages_of(cache_heads)
+    for n in RUN_COUNTS:
+        table = run_table(context, n)
+        cases[f"{n} runs joined"] = lambda table=table: [reference.joined_sdpa(
+            q[i], *pieces(k, v, table), scale, None) for i, (k, v) in enumerate(cache_heads)]
+        cases[f"{n} runs taken"] = lambda table=table: [reference.masked_sdpa(
+            q[i], *reference.gather_kv(kp, vp, mx.array(table), context), scale, None)
+            for i, (kp, vp) in enumerate(pages)]
     times: dict[str, list[float]] = {name: [] for name in cases}
     for _ in range(rounds):
         for name, build in cases.items():
