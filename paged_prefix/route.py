@@ -76,16 +76,21 @@ class Route:
 
 
 def page_runs(block_tables: np.ndarray, lengths: Lengths, seqs, block_size: int,
-              starts: np.ndarray | None = None) -> dict[int, tuple[Run, ...]]:
+              starts: np.ndarray | None = None, any_order=()) -> dict[int, tuple[Run, ...]]:
     """Of the sequences `seqs`, the runs of consecutive blocks (b, b + 1, ...: their K/V are
     contiguous rows of the cache, readable in place) that their visible pages (from the one
-    holding key `starts[s]`, 0 when None) form, in key order. `block_tables`: the host copy of
-    the table the calls pass, [S, max_blocks]."""
+    holding key `starts[s]`, 0 when None) form, in key order. The sequences `any_order` (decode
+    rows that see all their keys unmasked, whose softmax does not depend on the keys' order)
+    take their whole pages in block order, the last (partial) page last: vLLM's allocator hands
+    a request blocks freed by others, last block first, which are runs read backwards.
+    `block_tables`: the host copy of the table the calls pass, [S, max_blocks]."""
     runs = {}
     for s in seqs:
         n = -(-int(lengths.seq_lens[s]) // block_size)
         first = 0 if starts is None else int(starts[s]) // block_size
         row = block_tables[s, first:n].astype(np.int64)
+        if s in any_order:
+            row[:-1].sort()
         bounds = [0, *(np.flatnonzero(np.diff(row) != 1) + 1).tolist(), len(row)]
         runs[int(s)] = tuple((int(row[a]), b - a) for a, b in zip(bounds[:-1], bounds[1:]))
     return runs
@@ -121,10 +126,13 @@ def route(lengths: Lengths, block_tables: np.ndarray, geometry: Geometry, path: 
         return Route("reference", "forced", None, (Source.REFERENCE,) * n)
     starts = lengths.key_starts(g.window)
     sees_cache = starts < lengths.seq_lens - lengths.q_lens
-    runs = page_runs(block_tables, lengths, np.flatnonzero(sees_cache), g.block_size,
-                     starts)  # once per forward
     # runs joined in one softmax where MLX's take is the only gather: the CPU, measured there
-    keys = lengths.seq_lens - starts if not backends and g.heads_major else None
+    cpu = not backends and g.heads_major
+    keys = lengths.seq_lens - starts if cpu else None
+    any_order = set(np.flatnonzero(lengths.q_lens == 1).tolist()) \
+        if cpu and g.window is None else ()
+    runs = page_runs(block_tables, lengths, np.flatnonzero(sees_cache), g.block_size, starts,
+                     any_order)  # once per forward
 
     def with_sdpa(reason: str, backend: str | None, picked=range(n), prefill=(),
                   rest=Source.PAGED) -> Route:
@@ -152,7 +160,8 @@ def route(lengths: Lengths, block_tables: np.ndarray, geometry: Geometry, path: 
             raise ValueError(f"path: the {path} kernel cannot run this call: {why_not}")
         return Route(path, "forced", path, (Source.PAGED,) * n)
     if not backends:
-        return with_sdpa("no GPU kernel backend: SDPA, cached prefixes gathered by MLX", None)
+        return with_sdpa("no GPU kernel backend: SDPA, cached pages read in place (one run of "
+                         "blocks, or a few joined) or gathered by MLX", None)
     name, backend = next(iter(backends.items()))
     why_not = backend.attention.unsupported_reason(g)
     if why_not:

@@ -103,7 +103,8 @@ class PagedCase:
     Pages no sequence owns hold NaN, and every block-table entry past a sequence's pages points
     at one of them, so a kernel that reads a wrong page or through padding produces NaN.
     `runs[s]` true gives sequence s one run of consecutive blocks instead, past the shuffled
-    ones, with an unowned (NaN) block before and after it; an int n > 1, n such runs. `k_ramp`
+    ones, with an unowned (NaN) block before and after it; an int n > 1, n such runs.
+    `pages[s]`, where not None, lists sequence s's blocks (as offsets past all others). `k_ramp`
     scales key p of a sequence of n by 1 + k_ramp p / n: late keys' scores far above early
     ones' (split parts that disagree).
     With a `window`, the pages wholly left of each sequence's first visible key hold NaN too
@@ -112,7 +113,7 @@ class PagedCase:
 
     def __init__(self, q_lens, ctx_lens, num_heads, num_kv_heads, head_dim, block_size, dtype,
                  seed=0, num_blocks=None, high_blocks=False, q_scale=1.0, runs=None, k_ramp=0.0,
-                 window=None):
+                 window=None, pages=None):
         rng = np.random.default_rng(seed)
         self.seq_lens = np.array([c + q for q, c in zip(q_lens, ctx_lens)], dtype=np.int64)
         self.cu_seqlens_q = np.concatenate([[0], np.cumsum(q_lens)]).astype(np.int64)
@@ -128,12 +129,17 @@ class PagedCase:
             table[s, :n] = ids[a:a + n]
         if runs is not None:  # past the shuffled pages, with an unowned block around each run
             for s in np.flatnonzero(runs):
-                pages = []
+                blocks = []
                 for part in np.array_split(np.arange(needed[s]), int(runs[s])):
-                    pages += range(num_blocks + 1, num_blocks + 1 + len(part))
+                    blocks += range(num_blocks + 1, num_blocks + 1 + len(part))
                     num_blocks += len(part) + 1
-                table[s, :needed[s]] = pages
+                table[s, :needed[s]] = blocks
             num_blocks += 1
+        if pages is not None:  # these blocks (offsets past the others), where not None
+            for s in range(len(pages)):
+                if pages[s] is not None:
+                    table[s, :needed[s]] = num_blocks + np.asarray(pages[s])
+            num_blocks += 1 + max(max(p) for p in pages if p is not None)
         self.tables = table
         self.pages = [table[s, :n].tolist() for s, n in enumerate(needed)]  # without padding
         shape = (num_blocks * block_size, num_kv_heads, head_dim)

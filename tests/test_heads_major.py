@@ -85,8 +85,8 @@ def test_pages_in_a_few_runs_are_read_where_they_lie(dtype, monkeypatch):
     """On MLX's CPU route a heads-major sequence whose pages lie in a few runs of blocks, at
     least MIN_KEYS_PER_JOINED_RUN keys a run, attends over each run in place, one softmax over
     them all, and nothing is gathered; shorter runs are gathered. Against the float64 oracle,
-    decode rows and suffixes."""
-    c = PagedCase([5, 1, 1, 40, 3, 2], [155, 250, 300, 0, 45, 60], 8, 2, 64, 16, dtype, seed=7,
+    over suffixes (keys in order: a decode row's pages may be read in any order, next test)."""
+    c = PagedCase([5, 2, 2, 40, 3, 2], [155, 249, 299, 0, 45, 60], 8, 2, 64, 16, dtype, seed=7,
                   runs=[3, 4, False, False, 1, 2])
     runs = {s: len(r) for s, r in page_runs(c.tables, c.lengths, range(6), 16).items()}
     assert (runs[0], runs[1], runs[4], runs[5]) == (3, 4, 1, 2) and runs[2] > 2
@@ -123,3 +123,25 @@ def test_a_token_major_array_is_not_read_as_heads_major():
 
 def test_a_server_picks_heads_major_on_the_cpu_only():
     assert heads_major_here() == (mx.default_device() == mx.cpu)
+
+
+@pytest.mark.parametrize("dtype", DTYPES.values(), ids=DTYPES)
+def test_a_decode_row_reads_its_pages_in_any_order(dtype):
+    """A decode row sees every key unmasked, so its whole pages are read in block order, the
+    last (partial) page last: blocks handed out last first (vLLM's allocator reuses a freed
+    request's blocks so) are one run read in place, or a few runs; a prefill's keys keep their
+    order. Against the float64 oracle."""
+    backwards = [7, 6, 5, 4, 3, 0]  # 5 whole pages, one run backwards; the last page apart
+    c = PagedCase([1, 1, 1, 4], [90, 90, 60, 86], 8, 2, 64, 16, dtype, seed=9,
+                  pages=[backwards, [24, 23, 22, 21, 20, 30], [44, 43, 42, 45],
+                         [35, 34, 33, 32, 31, 50]])
+    g = Geometry(8, 2, 64, 16, dtype, 0.125, heads_major=True)
+    d = Dispatcher("auto", backends={})
+    caches = [x.reshape(-1, 2, 64).transpose(1, 0, 2) for x in (c.k_cache, c.v_cache)]
+    out = c.forward(d, g, *caches)
+    assert_close(out, c.oracle(0.125), dtype)
+    assert d.last.sources == (Source.RUNS, Source.RUNS, Source.IN_PLACE, Source.GATHERED)
+    runs = dict(d.last.page_runs)
+    first = int(c.tables[0, 5]) - backwards[-1]  # the offset the case adds
+    assert runs[0] == ((first + 3, 5), (first, 1)) and len(runs[1]) == 2
+
