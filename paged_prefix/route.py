@@ -43,10 +43,10 @@ class Source(enum.Enum):
 SDPA_SOURCES = (Source.NEW_ROWS, Source.IN_PLACE, Source.RUNS, Source.GATHERED)
 # On MLX's CPU backend a decode row's attention over a heads-major cache's pages in R runs costs
 # about one read in place plus R ops a layer; MLX's take, about 2.5 ns a key's element: joined
-# runs measured faster where they hold 32 keys or more on average, up to 32 runs (448 and 1024
-# keys; bench/probes/cpu_decode.py, "runs joined" / "runs taken": docs/cpu.md).
-MAX_JOINED_RUNS = 32
-MIN_KEYS_PER_JOINED_RUN = 32
+# runs measured faster up to 16 runs of 64 keys, slower at 16 of 28 and 32 of 32 (448 and 1024
+# keys; bench/probes/cpu_decode.py, "runs joined" / "runs taken": docs/cpu/cpu_decode.txt).
+MAX_JOINED_RUNS = 16
+MIN_KEYS_PER_JOINED_RUN = 48
 Run = tuple[int, int]  # a run of consecutive blocks: its first block, its number of blocks
 
 

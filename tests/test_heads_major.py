@@ -131,9 +131,9 @@ def test_a_decode_row_reads_its_pages_in_any_order(dtype):
     last (partial) page last: blocks handed out last first (vLLM's allocator reuses a freed
     request's blocks so) are one run read in place, or a few runs; a prefill's keys keep their
     order. Against the float64 oracle."""
-    backwards = [7, 6, 5, 4, 3, 0]  # 5 whole pages, one run backwards; the last page apart
-    c = PagedCase([1, 1, 1, 4], [90, 90, 60, 86], 8, 2, 64, 16, dtype, seed=9,
-                  pages=[backwards, [24, 23, 22, 21, 20, 30], [44, 43, 42, 45],
+    backwards = [8, 7, 6, 5, 4, 3, 0]  # 6 whole pages, one run backwards; the last page apart
+    c = PagedCase([1, 1, 1, 4], [100, 100, 60, 86], 8, 2, 64, 16, dtype, seed=9,
+                  pages=[backwards, [25, 24, 23, 22, 21, 20, 30], [44, 43, 42, 45],
                          [35, 34, 33, 32, 31, 50]])
     g = Geometry(8, 2, 64, 16, dtype, 0.125, heads_major=True)
     d = Dispatcher("auto", backends={})
@@ -142,6 +142,6 @@ def test_a_decode_row_reads_its_pages_in_any_order(dtype):
     assert_close(out, c.oracle(0.125), dtype)
     assert d.last.sources == (Source.RUNS, Source.RUNS, Source.IN_PLACE, Source.GATHERED)
     runs = dict(d.last.page_runs)
-    first = int(c.tables[0, 5]) - backwards[-1]  # the offset the case adds
-    assert runs[0] == ((first + 3, 5), (first, 1)) and len(runs[1]) == 2
+    first = int(c.tables[0, 6]) - backwards[-1]  # the offset the case adds
+    assert runs[0] == ((first + 3, 6), (first, 1)) and len(runs[1]) == 2
 

@@ -8,7 +8,7 @@ Two measurements, each interleaved round by round:
              over a token-major cache and over a heads-major one (`PagedKVCache.heads_major`,
              what a server uses on the CPU), its pages in one run of blocks (read in place)
              and, heads-major, in three runs (each read in place, one softmax over them:
-             `reference.joined_sdpa`) and in shuffled blocks (past MAX_JOINED_RUNS: gathered);
+             `reference.joined_sdpa`) and in shuffled blocks (runs too many and short: gathered);
   attention  one layer's attention of that model (9 heads, 3 kv heads, D 64) for a decode row,
              30 layers' worth per evaluation: SDPA over mlx-lm's head-major cache as it reads
              it (a slice of [1, Hkv, T, D]); over token-major rows the runner's path
