@@ -64,8 +64,9 @@ def test_a_conversation_reads_its_history_in_place(monkeypatch):
     planned = []  # per forward: (sequences with a cached prefix, their runs of blocks)
     page_runs = route.page_runs
 
-    def spy(table, lengths, seqs, block_size, starts=None):
-        planned.append((list(seqs), page_runs(table, lengths, seqs, block_size, starts)))
+    def spy(table, lengths, seqs, block_size, starts=None, any_order=()):
+        planned.append((list(seqs), page_runs(table, lengths, seqs, block_size, starts,
+                                              any_order)))
         return planned[-1][1]
     monkeypatch.setattr(route, "page_runs", spy)
     rng = np.random.default_rng(3)
