@@ -85,45 +85,37 @@ def plan_spans(lengths: Lengths, geometry: Geometry, seqs: tuple[int, ...],
                        query_chunk, masks) for s, start in zip(seqs, key_starts))
 
 
-def _attend(q: mx.array, ks: mx.array, vs: mx.array, g: Geometry, sinks,
+def _attend(q: mx.array, ks: list[mx.array], vs: list[mx.array], g: Geometry, sinks,
             calls: tuple[Span, ...], laid_head_major: bool = False) -> mx.array:
-    """q [L, H, D] at the last positions of ks, vs [1, Hkv, Lk, D] -> [L, H, D];
-    `laid_head_major`: ks, vs are rows of a heads-major cache, read as they lie."""
-    if len(calls) == 1:  # no slices: each is an op a layer
-        return _sdpa(q, ks, vs, calls[0].mask, g, sinks, laid_head_major)
-    return mx.concatenate([_sdpa(q[c.q0:c.q1], ks[:, :, c.k0:c.k1], vs[:, :, c.k0:c.k1],
-                                 c.mask, g, sinks, laid_head_major) for c in calls], axis=0)
-
-
-def _sdpa(q: mx.array, k: mx.array, v: mx.array, mask, g: Geometry, sinks,
-          laid_head_major: bool) -> mx.array:
-    return reference.tokens_first(reference.masked_sdpa(
-        reference.heads_first(q), k, v, g.scale, mask, g.softcap, sinks,
-        kv_laid_head_major=laid_head_major))
-
-
-def _attend_runs(q: mx.array, ks: list[mx.array], vs: list[mx.array], g: Geometry, sinks,
-                 calls: tuple[Span, ...]) -> mx.array:
-    """`_attend` over keys that lie in pieces ks, vs [1, Hkv, Li, D] (in key order), each
-    call over the pieces' share of its keys, one softmax over them."""
-    def cut(pieces: list[mx.array], k0: int, k1: int) -> list[mx.array]:
-        out, first = [], 0
-        for p in pieces:
-            n = p.shape[2]
-            if first < k1 and first + n > k0:
-                a, b = max(k0 - first, 0), min(k1 - first, n)
-                out.append(p if (a, b) == (0, n) else p[:, :, a:b])
-            first += n
-        return out
-
+    """q [L, H, D] at the last positions of the keys that the pieces ks, vs [1, Hkv, Li, D]
+    hold in key order -> [L, H, D], each call over its share of them: one piece through SDPA
+    (`laid_head_major`: rows of a heads-major cache, read as they lie), several with one
+    softmax over them (`reference.joined_sdpa`)."""
     def call(qc: mx.array, c: Span) -> mx.array:
-        return reference.tokens_first(reference.joined_sdpa(
-            reference.heads_first(qc), cut(ks, c.k0, c.k1), cut(vs, c.k0, c.k1), g.scale, c.mask,
-            g.softcap, sinks))
+        kc, vc = _cut(ks, c.k0, c.k1), _cut(vs, c.k0, c.k1)
+        if len(ks) > 1:
+            return reference.tokens_first(reference.joined_sdpa(
+                reference.heads_first(qc), kc, vc, g.scale, c.mask, g.softcap, sinks))
+        return reference.tokens_first(reference.masked_sdpa(
+            reference.heads_first(qc), kc[0], vc[0], g.scale, c.mask, g.softcap, sinks,
+            kv_laid_head_major=laid_head_major))
 
-    if len(calls) == 1:
+    if len(calls) == 1:  # no slices: each is an op a layer
         return call(q, calls[0])
     return mx.concatenate([call(q[c.q0:c.q1], c) for c in calls], axis=0)
+
+
+def _cut(pieces: list[mx.array], k0: int, k1: int) -> list[mx.array]:
+    """Keys k0:k1 of the pieces [1, Hkv, Li, D] laid end to end: a piece wholly inside is
+    passed as it is (no slice op), one partly inside sliced."""
+    out, first = [], 0
+    for p in pieces:
+        n = p.shape[2]
+        if first < k1 and first + n > k0:
+            a, b = max(k0 - first, 0), min(k1 - first, n)
+            out.append(p if (a, b) == (0, n) else p[:, :, a:b])
+        first += n
+    return out
 
 
 def _assemble(out: mx.array | None, rows: list[mx.array], plan: Plan) -> mx.array:
@@ -227,16 +219,12 @@ class ContiguousSdpa(_OnMlx):
                     ks, vs = k[int(cu[s]):int(cu[s + 1])], v[int(cu[s]):int(cu[s + 1])]
                 if ks.dtype != g.dtype:
                     ks, vs = ks.astype(g.dtype), vs.astype(g.dtype)
-            else:
+                ks, vs = [reference.heads_first(ks)], [reference.heads_first(vs)]
+            else:  # one view per run of blocks
                 rows = rows or (as_rows(k_cache, g), as_rows(v_cache, g))
-                if len(source) > 1:
-                    outs.append(_attend_runs(
-                        _q_rows(q, plan, s), [reference.heads_first(rows[0][r]) for r in source],
-                        [reference.heads_first(rows[1][r]) for r in source], g, sinks, calls))
-                    continue
-                ks, vs = rows[0][source[0]], rows[1][source[0]]
-            outs.append(_attend(_q_rows(q, plan, s), reference.heads_first(ks),
-                                reference.heads_first(vs), g, sinks, calls,
+                ks = [reference.heads_first(rows[0][r]) for r in source]
+                vs = [reference.heads_first(rows[1][r]) for r in source]
+            outs.append(_attend(_q_rows(q, plan, s), ks, vs, g, sinks, calls,
                                 laid_head_major=source is not None and g.heads_major))
         return _assemble(out, outs, plan)
 
@@ -300,7 +288,7 @@ class GatheredSdpa:
     def run(self, q, k, v, k_cache, v_cache, plan: GatheredPlan, out=None,
             sinks=None) -> mx.array:
         kv = self.gathered(k_cache, v_cache, plan)
-        outs = [_attend(_q_rows(q, plan, s), ks, vs, plan.geometry, sinks, calls)
+        outs = [_attend(_q_rows(q, plan, s), [ks], [vs], plan.geometry, sinks, calls)
                 for s, (ks, vs), calls in zip(plan.seqs, kv, plan.calls)]
         return _assemble(out, outs, plan)
 

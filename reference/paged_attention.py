@@ -54,8 +54,8 @@ def joined_sdpa(q: mx.array, ks, vs, scale: float, mask, softcap: float | None =
     k_len = sum(k.shape[2] for k in ks)
     # a kv head's queries stacked, so each piece is one matmul with no broadcast K
     qg = q.astype(mx.float32).reshape(1, kv_heads, group * q_len, head_dim)
-    s = mx.concatenate([qg @ k.astype(mx.float32).swapaxes(-1, -2) for k in ks], axis=-1) \
-        if len(ks) > 1 else qg @ ks[0].astype(mx.float32).swapaxes(-1, -2)
+    scores = [qg @ k.astype(mx.float32).swapaxes(-1, -2) for k in ks]
+    s = scores[0] if len(scores) == 1 else mx.concatenate(scores, axis=-1)
     s = s.reshape(1, kv_heads, group, q_len, k_len) * scale
     if softcap is not None:
         s = softcap * mx.tanh(s / softcap)

@@ -33,6 +33,8 @@ from mlx_lm import load
 from mlx_lm.models.cache import make_prompt_cache
 
 import reference
+from jit_kernels.arrays import as_pages
+from jit_kernels.geometry import Geometry
 from paged_prefix.convert_smollm2 import smollm2_folder
 from paged_prefix.kv_cache import PagedKVCache
 from paged_prefix.metadata import ScheduledRequest, build_batch_metadata
@@ -54,9 +56,9 @@ def step_times(context: int, rounds: int) -> dict[str, float]:
     num_blocks = needed + 10
     tokens = np.random.default_rng(0).integers(3, args.vocab_size, context + rounds).tolist()
     blocks = list(range(1, needed + 1))
-    # three runs, 4 blocks apart: a lone served request's cached prefix and its later blocks
-    in_runs = [b + 4 * r for r, part in enumerate(np.array_split(blocks, 3)) for b in part]
-    tables = {"token-major": blocks, "heads-major": blocks, "heads-major 3 runs": in_runs,
+    # three runs: a lone served request's cached prefix and its later blocks
+    tables = {"token-major": blocks, "heads-major": blocks,
+              "heads-major 3 runs": in_runs(needed, 3, first=1)[0].tolist(),
               "heads-major scattered":
               np.random.default_rng(1).permutation(num_blocks - 1)[:needed] + 1}
     runners = {}
@@ -91,25 +93,18 @@ def step_times(context: int, rounds: int) -> dict[str, float]:
 RUN_COUNTS = (2, 4, 16, 32)
 
 
-def run_table(context: int, n: int) -> np.ndarray:
-    """A block table of `context` keys in n runs of blocks, 3 blocks apart."""
-    parts = np.array_split(np.arange(-(-context // BLOCK_SIZE)), n)
-    return np.concatenate([part + 3 * r for r, part in enumerate(parts)]).astype(np.int32)
+def in_runs(blocks: int, n: int, first: int = 0) -> tuple[np.ndarray, list[tuple[int, int]]]:
+    """A block table of `blocks` blocks from `first` on in n runs, 3 blocks apart (fewer where
+    there are fewer blocks), and its runs (first block, blocks)."""
+    parts = np.array_split(np.arange(first, first + blocks), n)
+    table = np.concatenate([part + 3 * r for r, part in enumerate(parts)]).astype(np.int32)
+    return table, [(int(part[0]) + 3 * r, len(part)) for r, part in enumerate(parts) if len(part)]
 
 
-def pieces(k: mx.array, v: mx.array, table: np.ndarray) -> tuple[list, list]:
-    """A heads-major cache's [Hkv, rows, D] rows of the table's runs, each as a view."""
-    breaks = [0, *(np.flatnonzero(np.diff(table) != 1) + 1), len(table)]
-    rows = [slice(int(table[a]) * BLOCK_SIZE, (int(table[a]) + b - a) * BLOCK_SIZE)
-            for a, b in zip(breaks[:-1], breaks[1:])]
+def pieces(k: mx.array, v: mx.array, runs: list[tuple[int, int]]) -> tuple[list, list]:
+    """A heads-major cache's [Hkv, rows, D] rows of each run, each as a view."""
+    rows = [slice(b * BLOCK_SIZE, (b + n) * BLOCK_SIZE) for b, n in runs]
     return [k[None, :, r] for r in rows], [v[None, :, r] for r in rows]
-
-
-def as_pages_of(cache_heads) -> list[tuple[mx.array, mx.array]]:
-    """[Hkv, rows, D] caches as [blocks, BLOCK_SIZE, Hkv, D] views, as MLX's take reads them."""
-    def view(x):
-        return x.reshape(KV_HEADS, -1, BLOCK_SIZE, HEAD_DIM).transpose(1, 2, 0, 3)
-    return [(view(k), view(v)) for k, v in cache_heads]
 
 
 def attention_times(context: int, rounds: int) -> dict[str, float]:
@@ -141,11 +136,12 @@ def attention_times(context: int, rounds: int) -> dict[str, float]:
             q[i], k[None, :, visible], v[None, :, visible], scale, None, kv_laid_head_major=True)
             for i, (k, v) in enumerate(cache_heads)],
     }
-    pages = as_pages_of(cache_heads)
+    g = Geometry(HEADS, KV_HEADS, HEAD_DIM, BLOCK_SIZE, mx.float32, scale, heads_major=True)
+    pages = [(as_pages(k, g), as_pages(v, g)) for k, v in cache_heads]  # as MLX's take reads them
     for n in RUN_COUNTS:
-        table = run_table(context, n)
-        cases[f"{n} runs joined"] = lambda table=table: [reference.joined_sdpa(
-            q[i], *pieces(k, v, table), scale, None) for i, (k, v) in enumerate(cache_heads)]
+        table, runs = in_runs(-(-context // BLOCK_SIZE), n)
+        cases[f"{n} runs joined"] = lambda runs=runs: [reference.joined_sdpa(
+            q[i], *pieces(k, v, runs), scale, None) for i, (k, v) in enumerate(cache_heads)]
         cases[f"{n} runs taken"] = lambda table=table: [reference.masked_sdpa(
             q[i], *reference.gather_kv(kp, vp, mx.array(table), context), scale, None)
             for i, (kp, vp) in enumerate(pages)]
