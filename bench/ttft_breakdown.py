@@ -9,8 +9,11 @@ TTFT then splits into:
   before    send -> the first step that starts after it (HTTP, tokenization, the scheduler,
             waiting for the step that was running when it arrived);
   forward   the forwards of the steps from then until its first token (its own prefill and
-            the other requests' it queued behind), on the device, graph building included;
-  sampling  those steps' sampling (vLLM's sampler, the MLX -> torch copy);
+            the other requests' it queued behind), graph building included; a step whose
+            rows sample on the device is not waited for, so the next forward's wait for it
+            (and the device time it hides) counts here;
+  sampling  those steps' sampling (vLLM's sampler, the MLX -> torch copy; or the launch of
+            the argmax on the device);
   between   the rest of those steps' span: the engine between forward and sampling and
             between steps (scheduling, output processing, IPC);
   after     the last of those steps' end -> the client's first token (detokenization, the
@@ -30,7 +33,7 @@ from pathlib import Path
 
 _FORWARD = re.compile(r"step: (\d+) sequences \((\d+) of one token\), (\d+) tokens after \d+ "
                       r"already in the cache, .*; forward ([\d.]+) ms \(([\d.]+) ms of it "
-                      r"building the graph\) from t=([\d.]+) s")
+                      r"building the graph[^)]*\) from t=([\d.]+) s")
 _SAMPLED = re.compile(r"step: sampled \d+ rows in ([\d.]+) ms, ending at t=([\d.]+) s")
 PARTS = ("before", "forward", "sampling", "between", "after")
 

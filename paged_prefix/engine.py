@@ -2,7 +2,9 @@
 
 schedule() -> execute_model() -> update_from_output(), with prefix caching and chunked
 prefill on (caching can be switched off for A/B runs). Greedy sampling. Timestamps per
-request give time-to-first-token. vLLM needs no weights here: its ModelConfig reads a
+request give time-to-first-token. With `async_scheduling`, vLLM's AsyncScheduler and the
+order of its engine core's batch queue: the next step is scheduled and run before the
+previous step's output is taken. vLLM needs no weights here: its ModelConfig reads a
 folder holding only config.json (a temporary folder this engine owns).
 
 Requests that can never run (empty, out-of-vocabulary, longer than max_model_len or than the
@@ -14,6 +16,7 @@ from __future__ import annotations
 
 import tempfile
 import time
+from collections import deque
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -22,7 +25,7 @@ from vllm.config import CacheConfig, ModelConfig, SchedulerConfig, VllmConfig
 from vllm.sampling_params import SamplingParams
 from vllm.utils.hashing import sha256
 from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
-from vllm.v1.core.sched.scheduler import Scheduler
+from vllm.v1.outputs import AsyncModelRunnerOutput
 from vllm.v1.request import Request, RequestStatus
 from vllm.v1.structured_output import StructuredOutputManager
 
@@ -48,6 +51,7 @@ class EngineConfig:
     max_num_batched_tokens: int = 2048
     enable_prefix_caching: bool = True
     attention: str | None = None  # dispatcher override; None = env var or auto
+    async_scheduling: bool = False  # vLLM's AsyncScheduler, two steps in flight
 
 
 @dataclass
@@ -85,7 +89,7 @@ class Engine:
                 max_num_seqs=config.max_num_seqs,
                 max_num_batched_tokens=config.max_num_batched_tokens,
                 max_model_len=config.max_model_len, is_encoder_decoder=False,
-                enable_chunked_prefill=True),
+                enable_chunked_prefill=True, async_scheduling=config.async_scheduling),
         )
         self.runner = VllmModelRunner(model, Dispatcher(config.attention), vllm_config)
         # the layers' specs grouped and sized as vLLM's engine core does (the worker's path)
@@ -93,7 +97,7 @@ class Engine:
                             model_cfg["num_key_value_heads"], model_cfg["head_dim"], torch_dtype)
         kv_config = kv_cache_config(vllm_config, specs, config.num_blocks)
         vllm_config.cache_config.num_gpu_blocks = config.num_blocks
-        self.scheduler = Scheduler(
+        self.scheduler = vllm_config.scheduler_config.get_scheduler_cls()(
             vllm_config=vllm_config, kv_cache_config=kv_config,
             structured_output_manager=StructuredOutputManager(vllm_config),
             block_size=config.block_size, log_stats=True)
@@ -106,6 +110,9 @@ class Engine:
         self.num_resumed = 0  # preempted requests brought back: they re-run part of a prompt
         self.num_preempted = 0
         self.num_partial_prefills = 0  # scheduled chunks that ended before the known tokens
+        # steps run whose output the scheduler has not taken: at most one more than this
+        self._queue: deque = deque()
+        self._depth = 2 if config.async_scheduling else 1
 
     def add_request(self, req_id: str, prompt_ids: list[int], max_tokens: int) -> None:
         """Queue a greedy request; raises ValueError for one that could never complete."""
@@ -145,14 +152,25 @@ class Engine:
         self.results[req_id].finish_reason = self.results[req_id].finish_reason or "abort"
 
     def step(self) -> list[str]:
-        """One schedule + forward; returns the ids of requests that finished."""
-        so = self.scheduler.schedule()
-        for new in so.scheduled_new_reqs:
-            self.results[new.req_id].cached_tokens = new.num_computed_tokens
-        cached = so.scheduled_cached_reqs
-        self.num_resumed += len(cached.resumed_req_ids)
-        self.num_preempted += len(so.preempted_req_ids or ())
-        out = self.runner.execute_model(so)
+        """One schedule + forward, and the scheduler's update from the oldest step run whose
+        output it has not taken (with async scheduling, the step before, unless nothing more
+        could be scheduled); returns the ids of requests that finished."""
+        if self.scheduler.has_requests():
+            so = self.scheduler.schedule()
+            for new in so.scheduled_new_reqs:
+                self.results[new.req_id].cached_tokens = new.num_computed_tokens
+            cached = so.scheduled_cached_reqs
+            self.num_resumed += len(cached.resumed_req_ids)
+            self.num_preempted += len(so.preempted_req_ids or ())
+            out = self.runner.run_forward(so)
+            self._queue.appendleft((so, self.runner.sample_tokens(None) if out is None else out))
+            if len(self._queue) < self._depth and so.total_num_scheduled_tokens:
+                return []
+        if not self._queue:
+            return []
+        so, out = self._queue.pop()
+        if isinstance(out, AsyncModelRunnerOutput):
+            out = out.get_output()
         self.num_partial_prefills += sum(not tokens for tokens in out.sampled_token_ids)
         now = time.perf_counter()
         finished = []
@@ -168,14 +186,15 @@ class Engine:
         return finished
 
     def has_unfinished(self) -> bool:
-        return self.scheduler.has_unfinished_requests()
+        return self.scheduler.has_unfinished_requests() or bool(self._queue)
 
     def run_to_completion(self) -> None:
         idle = 0
         while self.has_unfinished():
             before = self.runner.runner.stats.forwards
             self.step()
-            idle = idle + 1 if self.runner.runner.stats.forwards == before else 0
+            waiting = self.scheduler.has_unfinished_requests()
+            idle = idle + 1 if waiting and self.runner.runner.stats.forwards == before else 0
             if idle >= STUCK_STEPS:
                 raise RuntimeError(f"the scheduler scheduled nothing for {idle} steps with "
                                    f"{self.scheduler.get_num_unfinished_requests()} requests "

@@ -19,7 +19,7 @@ visible key on (`reference.key_start` of the tokens it has computed).
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -34,11 +34,15 @@ from .metadata import BatchMetadata, ScheduledRequest, build_batch_metadata
 from .validate import as_ints
 from .vllm_sampling import make_generator, token_id_options, unsupported_reason
 
+# What the host reads for a sampled token whose value is still on the device: the forward reads
+# the token itself there (`BatchMetadata.input_ids`), this only keeps the host's lists in step.
+PENDING_TOKEN = 0
+
 
 @dataclass(frozen=True)
 class RequestState:
     prompt_token_ids: tuple[int, ...]
-    output_token_ids: tuple[int, ...]  # one more per sampled token, once its step succeeded
+    output_token_ids: tuple[int, ...]  # one more per sampled token, once its value is known
     block_ids: tuple[tuple[int, ...], ...]  # per KV-cache group
     params: SamplingParams
     generator: torch.Generator | None  # seeded requests only; survives preemption
@@ -46,10 +50,13 @@ class RequestState:
     # a hybrid model's state rows, per state group in vLLM's block ids (block_ids then holds
     # its attention row in kernel block ids: `hybrid_groups.rows_of`)
     state_rows: tuple[tuple[int, ...], ...] = ()
+    # tokens sampled on the device whose values the host has not read yet (0 or 1): they follow
+    # output_token_ids, as PENDING_TOKEN in token_ids
+    pending: int = 0
 
     @property
     def token_ids(self) -> list[int]:
-        return [*self.prompt_token_ids, *self.output_token_ids]
+        return [*self.prompt_token_ids, *self.output_token_ids, *(PENDING_TOKEN,) * self.pending]
 
 
 @dataclass(frozen=True)
@@ -138,7 +145,8 @@ def update(state: RequestState, req_id: str, cached: CachedRequestData, i: int,
             prompt_len = len(state.prompt_token_ids)
             if tuple(known[:prompt_len]) != state.prompt_token_ids:
                 raise ValueError(f"all_token_ids: {req_id!r} resumes with another prompt")
-            state = dataclasses.replace(state, output_token_ids=tuple(known[prompt_len:]))
+            state = dataclasses.replace(state, output_token_ids=tuple(known[prompt_len:]),
+                                        pending=0)
         return state
     if new_blocks is not None:  # None: no new block this step
         added, states = block_ids(new_blocks, req_id, limits)
@@ -231,6 +239,27 @@ def with_sampled(requests: Mapping[str, RequestState],
     """The states with each sampled token appended to its request's output."""
     return {r: dataclasses.replace(s, output_token_ids=(*s.output_token_ids, sampled[r]))
             if r in sampled else s for r, s in requests.items()}
+
+
+def with_pending(requests: Mapping[str, RequestState],
+                 req_ids: Sequence[str]) -> dict[str, RequestState]:
+    """The states with a token sampled on the device, value not yet read, for each of
+    `req_ids`; ValueError for a request whose previous one is still unread."""
+    unread = [r for r in req_ids if requests[r].pending]
+    if unread:
+        raise ValueError(f"sampled tokens: {unread} have a sampled token not yet read")
+    picked = set(req_ids)
+    return {r: dataclasses.replace(s, pending=1) if r in picked else s
+            for r, s in requests.items()}
+
+
+def with_read(requests: Mapping[str, RequestState],
+              sampled: Mapping[str, int]) -> dict[str, RequestState]:
+    """The states with the pending tokens' values, now read, in place of PENDING_TOKEN; a
+    request that has none (finished, or resumed with the scheduler's tokens) is left as it is."""
+    return {r: dataclasses.replace(s, output_token_ids=(*s.output_token_ids, sampled[r]),
+                                   pending=0)
+            if r in sampled and s.pending else s for r, s in requests.items()}
 
 
 def _metadata(requests: Mapping[str, RequestState], req_ids: list[str],

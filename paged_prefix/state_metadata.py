@@ -21,6 +21,7 @@ is refused, never computed over.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
@@ -210,6 +211,11 @@ def _check_apart(requests: Sequence[StateRequest], src: np.ndarray, dst: np.ndar
                                  "this forward")
 
 
-def commit(ledger: StateLedger, meta: StateMetadata) -> None:
-    """Record what the forward of `meta` wrote; call only once it has run."""
-    ledger.update(meta.writes)
+def commit(ledger: StateLedger, meta: StateMetadata,
+           outputs: Mapping[str, tuple[int, ...]] | None = None) -> None:
+    """Record what the forward of `meta` wrote; call only once it has run. `outputs`: each
+    writer's outputs as known now, where the forward was planned before the value of a token
+    sampled on the device was read (`requests.RequestState.pending`)."""
+    ledger.update((key, entry if outputs is None else
+                   dataclasses.replace(entry, outputs=outputs[entry.req_id]))
+                  for key, entry in meta.writes)

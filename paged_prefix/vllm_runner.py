@@ -9,9 +9,19 @@
 
 `run_forward` + `sample_tokens` is the split vLLM's workers use (vllm-metal's runner too):
 it serves both synchronous and asynchronous scheduling. Sampling is vLLM's own Sampler
-(`vllm_sampling.py`), so temperature 0 gives exactly the argmax of the logits. A request that
-asks for prompt logprobs has its prompt rows scored right after each forward of its prompt
-(`prompt_logprobs.py`); they go out whole with the step that computes its last prompt token.
+(`vllm_sampling.py`), except for a step whose every sampling row vLLM would answer with the
+argmax of its logits (`vllm_sampling.argmax_only`: greedy, nothing that changes the logits,
+no logprobs, no grammar): its argmax is taken on the device and `sample_tokens` returns at
+once, with vLLM's AsyncModelRunnerOutput (`SampledOnDevice`), whose tokens the host reads
+only when the engine asks for them. The next step's forward then reads those tokens on the
+device (a request's `pending` token) and is built while the device still runs this one: under
+vLLM's asynchronous scheduling (its default) the engine schedules the next step before it
+takes this one's output, so the host's work (scheduling, the metadata, the graph) overlaps
+the device's. A step is launched only once the one before has finished: MLX holds a running
+step's arrays, and a cache write into an array it holds would copy the whole array
+(`runner._release_last_step`). A request that asks for prompt logprobs has its prompt rows
+scored right after each forward of its prompt (`prompt_logprobs.py`); they go out whole with
+the step that computes its last prompt token.
 
 The scheduler owns prefix caching: it hashes blocks, finds hits and hands each request
 `num_computed_tokens` with the hit blocks first in `block_ids`. This runner keeps only what
@@ -19,15 +29,17 @@ the scheduler does not resend each step (`requests.py`) and computes exactly the
 told to, starting at `num_computed_tokens`.
 
 A step is all or nothing: `plan_step` applies the SchedulerOutput to copies of the request
-states and checks it (a ValueError naming the field), and only after the forward has succeeded
-are the copies committed; the sampled tokens are committed after sampling succeeded. A step
-that raises leaves the request states as they were; the forward itself writes no cache row
-before its own checks pass.
+states and checks it (a ValueError naming the field), and only after the forward has been built
+and launched are the copies committed; the sampled tokens are committed after sampling
+succeeded. A step that raises leaves the request states as they were; the forward itself writes
+no cache row before its own checks pass.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import logging
+import threading
 import time
 
 import mlx.core as mx
@@ -37,7 +49,12 @@ import torch
 from vllm.config import VllmConfig
 from vllm.v1.core.sched.output import GrammarOutput, SchedulerOutput
 from vllm.v1.kv_cache_interface import KVCacheConfig
-from vllm.v1.outputs import EMPTY_MODEL_RUNNER_OUTPUT, LogprobsTensors, ModelRunnerOutput
+from vllm.v1.outputs import (
+    EMPTY_MODEL_RUNNER_OUTPUT,
+    AsyncModelRunnerOutput,
+    LogprobsTensors,
+    ModelRunnerOutput,
+)
 
 from . import prompt_logprobs, warmup
 from .architectures import architecture
@@ -47,11 +64,18 @@ from .kv_cache import PagedKVCache, heads_major_here
 from .kv_groups import cache_layout
 from .kv_layout import KVLayout
 from .metadata import BatchMetadata
-from .requests import Limits, RequestState, StepPlan, plan_step, with_sampled
+from .requests import Limits, RequestState, StepPlan, plan_step, with_pending, with_read, with_sampled
 from .runner import PagedModelRunner, attention_of
 from .state_cache import RecurrentStateCache
 from .state_metadata import StateLedger, commit
-from .vllm_sampling import BatchSampler, SamplingRow, grammar_rows, in_output_order
+from .vllm_sampling import (
+    BatchSampler,
+    SamplingRow,
+    argmax_only,
+    device_argmax,
+    grammar_rows,
+    in_output_order,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -72,6 +96,13 @@ class VllmModelRunner:
         self.prompt_logprobs: dict[str, prompt_logprobs.PromptLogprobs] = {}
         # a forward's plan, its sampling rows' logits and the prompt logprobs it completed
         self._pending: tuple[StepPlan, mx.array, dict[str, LogprobsTensors]] | None = None
+        # the last step, when it was launched without the host waiting for it (its rows sampled
+        # on the device): the next forward waits for it, and reads its tokens into the states
+        self._running: SampledOnDevice | None = None
+        self.steps_sampled_on_device = 0  # steps whose rows were all argmax_only
+        # forwards built before the engine took the output of the step they follow (vLLM's
+        # asynchronous scheduling): the host's work that overlapped the device's
+        self.forwards_built_while_running = 0
         self._last_step_end: float | None = None  # for the debug log's time between steps
 
     def layer_windows(self) -> tuple[int | None, ...]:
@@ -157,7 +188,9 @@ class VllmModelRunner:
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
         """Forward and sampling in one call (the offline engine's loop)."""
         out = self.run_forward(scheduler_output)
-        return out if out is not None else self.sample_tokens(None)
+        if out is None:
+            out = self.sample_tokens(None)
+        return out.get_output() if isinstance(out, AsyncModelRunnerOutput) else out
 
     def run_forward(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput | None:
         """Run the step's forward and commit its request changes; `sample_tokens` follows
@@ -169,23 +202,58 @@ class VllmModelRunner:
         scoring = prompt_logprobs.live(self.prompt_logprobs, plan.requests,
                                        scheduler_output.scheduled_new_reqs, self.vocab_size)
         if plan.meta is None:
-            self.requests, self.prompt_logprobs = plan.requests, scoring
+            self.requests, self.prompt_logprobs = self._read(plan.requests), scoring
+            self._running = None
             return EMPTY_MODEL_RUNNER_OUTPUT
         step = prompt_logprobs.plan(scoring, plan.meta, {r: plan.requests[r].prompt_token_ids
                                                          for r in scoring})
         start = time.perf_counter()
-        logits = runner.forward(plan.meta, step.rows)
+        logits = runner.forward(self._reading_running(plan), step.rows)
         built = time.perf_counter()
-        mx.eval(logits, runner.cache_arrays())  # the forward's one host sync
+        if self._running is not None:
+            self.forwards_built_while_running += not self._running.taken
+            mx.synchronize()  # the step before lets go of the cache arrays (module docstring)
+        waited = time.perf_counter()
+        mx.async_eval(logits, runner.cache_arrays())
+        requests = self._read(plan.requests)
         if plan.meta.states is not None:
-            commit(self.state_ledger, plan.meta.states)
+            commit(self.state_ledger, plan.meta.states,
+                   {r: requests[r].output_token_ids for r in plan.req_ids})
         if logger.isEnabledFor(logging.DEBUG):
-            self._log_forward(plan.meta, start, built)
+            self._log_forward(plan.meta, start, built, waited)
         sampling = len(plan.meta.sample_req_ids)
         scoring, done = self._score_prompts(step, logits[sampling:], scoring)
-        self.requests, self.prompt_logprobs = plan.requests, scoring
-        self._pending = (plan, logits[:sampling], done)
+        self.requests, self.prompt_logprobs = requests, scoring
+        self._running, self._pending = None, (plan, logits[:sampling], done)
         return None
+
+    def _reading_running(self, plan: StepPlan) -> BatchMetadata:
+        """The step's metadata, its input ids reading each pending token from the tokens of the
+        step that sampled it, on the device, rather than the host's placeholder."""
+        meta, running = plan.meta, self._running
+        if running is None:
+            return meta
+        row_of = {r: i for i, r in enumerate(running.sample_ids)}
+        attn = meta.groups[0].attn
+        source = np.full(meta.num_tokens, -1, dtype=np.int32)  # row of `running.tokens`, or -1
+        for s, r in enumerate(meta.req_ids):
+            state = plan.requests[r]
+            position = len(state.token_ids) - 1  # the pending token's, when there is one
+            first, end = attn.cu_seqlens_q_host[s:s + 2]  # the sequence's rows
+            if state.pending and 0 <= position - attn.context_lens_host[s] < end - first:
+                source[first + position - attn.context_lens_host[s]] = row_of[r]
+        if (source < 0).all():
+            return meta
+        read = mx.take(running.tokens, mx.array(np.maximum(source, 0)))
+        return dataclasses.replace(meta, input_ids=mx.where(
+            mx.array(source >= 0), read.astype(meta.input_ids.dtype), meta.input_ids))
+
+    def _read(self, requests: dict[str, RequestState]) -> dict[str, RequestState]:
+        """`requests` with the running step's sampled tokens read (waiting for it)."""
+        if self._running is None:
+            return requests
+        running = self._running
+        return with_read(requests, dict(zip(running.sample_ids, running.token_list())))
 
     def _score_prompts(self, step: prompt_logprobs.PromptLogprobsStep, logits: mx.array,
                        scoring: dict[str, prompt_logprobs.PromptLogprobs],
@@ -203,36 +271,55 @@ class VllmModelRunner:
                      1e3 * (time.perf_counter() - start))
         return scoring, done
 
-    def sample_tokens(self, grammar_output: GrammarOutput | None) -> ModelRunnerOutput:
-        """Sample the pending forward's rows with vLLM's Sampler, constrained by the
-        structured-output requests' grammar bitmask when there is one; append the tokens."""
+    def sample_tokens(self, grammar_output: GrammarOutput | None,
+                      ) -> ModelRunnerOutput | SampledOnDevice:
+        """Sample the pending forward's rows: on the device when every row is `argmax_only`
+        (and none has a grammar), else with vLLM's Sampler, constrained by the structured-output
+        requests' grammar bitmask when there is one; append the tokens."""
         if self._pending is None:
             raise ValueError("sample_tokens: no forward is pending (run_forward first)")
         (plan, logits, prompt_done), self._pending = self._pending, None
         sample_ids = plan.meta.sample_req_ids
+        grammar = grammar_rows(grammar_output, sample_ids)
+        start = time.perf_counter()
+        if not grammar and all(argmax_only(self.requests[r].params) for r in sample_ids):
+            return self._sample_on_device(plan, logits, prompt_done, start)
+        mx.eval(logits, self.runner.cache_arrays())  # the step's one host sync
         sampled: dict[str, int] = {}
         logprobs = None
-        start = time.perf_counter()
         if sample_ids:
             rows = [_sampling_row(self.requests[r]) for r in sample_ids]
-            out = self.sampler.sample(logits, rows, grammar_rows(grammar_output, sample_ids))
+            out = self.sampler.sample(logits, rows, grammar)
             sampled = dict(zip(sample_ids, out.sampled_token_ids[:, 0].tolist()))
             if out.logprobs_tensors is not None:
                 logprobs = in_output_order(out.logprobs_tensors.tolists(), sample_ids,
                                            plan.req_ids)
         self.requests = with_sampled(self.requests, sampled)
         self._last_step_end = time.perf_counter()
-        logger.debug("step: sampled %d rows in %.1f ms, ending at t=%.4f s", len(sample_ids),
-                     1e3 * (self._last_step_end - start), self._last_step_end)
-        return ModelRunnerOutput(
-            req_ids=plan.req_ids,
-            req_id_to_index={r: i for i, r in enumerate(plan.req_ids)},
-            sampled_token_ids=[[sampled[r]] if r in sampled else [] for r in plan.req_ids],
-            logprobs=logprobs,
-            prompt_logprobs_dict=prompt_done,
-        )
+        logger.debug("step: sampled %d rows in %.1f ms, ending at t=%.4f s (vLLM's Sampler)",
+                     len(sample_ids), 1e3 * (self._last_step_end - start), self._last_step_end)
+        return _output(plan.req_ids, sampled, logprobs, prompt_done)
 
-    def _log_forward(self, meta: BatchMetadata, start: float, built: float) -> None:
+    def _sample_on_device(self, plan: StepPlan, logits: mx.array,
+                          prompt_done: dict[str, LogprobsTensors],
+                          start: float) -> SampledOnDevice:
+        """Every row (if any) samples its argmax (`argmax_only`): taken on the device and
+        launched; the tokens stay there for the next forward, and reach the host when the engine
+        (or the next forward, once its graph is built) reads them."""
+        sample_ids = plan.meta.sample_req_ids
+        tokens = device_argmax(logits)
+        mx.async_eval(tokens)
+        self.requests = with_pending(self.requests, sample_ids)
+        self._running = SampledOnDevice(plan.req_ids, sample_ids, tokens, prompt_done)
+        self.steps_sampled_on_device += 1
+        self._last_step_end = time.perf_counter()
+        logger.debug("step: sampled %d rows in %.1f ms, ending at t=%.4f s (argmax on the "
+                     "device, read by the host later)", len(sample_ids),
+                     1e3 * (self._last_step_end - start), self._last_step_end)
+        return self._running
+
+    def _log_forward(self, meta: BatchMetadata, start: float, built: float,
+                     waited: float) -> None:
         """Where a step's time goes, for TTFT questions: its shape, the attention path (and
         for SDPA where its K/V came from), the forward's time and the idle time before it; `t`
         is `time.perf_counter()`, the clock vLLM's benchmark client stamps requests with
@@ -244,10 +331,51 @@ class VllmModelRunner:
         idle = "" if self._last_step_end is None else \
             f", {1e3 * (start - self._last_step_end):.1f} ms after the last step"
         logger.debug("step: %d sequences (%d of one token), %d tokens after %d already in the "
-                     "cache, %s; forward %.1f ms (%.1f ms of it building the graph) from t=%.4f "
-                     "s%s", len(q), int((q == 1).sum()), int(q.sum()),
-                     int(meta.groups[0].attn.context_lens_host.sum()), attention,
-                     1e3 * (time.perf_counter() - start), 1e3 * (built - start), start, idle)
+                     "cache, %s; forward %.1f ms (%.1f ms of it building the graph, %.1f ms "
+                     "waiting for the step before) from t=%.4f s%s", len(q), int((q == 1).sum()),
+                     int(q.sum()), int(meta.groups[0].attn.context_lens_host.sum()), attention,
+                     1e3 * (time.perf_counter() - start), 1e3 * (built - start),
+                     1e3 * (waited - built), start, idle)
+
+
+class SampledOnDevice(AsyncModelRunnerOutput):
+    """A step's output whose tokens (argmax per sampling row) are still on the device: vLLM's
+    engine asks for it with `get_output` (its executor may do so from another thread), the
+    runner reads the same tokens into its request states; both read them once."""
+
+    def __init__(self, req_ids: list[str], sample_ids: tuple[str, ...], tokens: mx.array,
+                 prompt_done: dict[str, LogprobsTensors]):
+        self.req_ids, self.sample_ids, self.tokens = req_ids, sample_ids, tokens
+        self._prompt_done = prompt_done
+        self._lock = threading.Lock()
+        self._values: list[int] | None = None
+
+    @property
+    def taken(self) -> bool:
+        """Whether the tokens have reached the host."""
+        return self._values is not None
+
+    def token_list(self) -> list[int]:
+        """The sampled tokens, in `sample_ids` order (waits for the step)."""
+        with self._lock:
+            if self._values is None:
+                self._values = self.tokens.tolist()
+            return self._values
+
+    def get_output(self) -> ModelRunnerOutput:
+        return _output(self.req_ids, dict(zip(self.sample_ids, self.token_list())), None,
+                       self._prompt_done)
+
+
+def _output(req_ids: list[str], sampled: dict[str, int], logprobs,
+            prompt_done: dict[str, LogprobsTensors]) -> ModelRunnerOutput:
+    return ModelRunnerOutput(
+        req_ids=req_ids,
+        req_id_to_index={r: i for i, r in enumerate(req_ids)},
+        sampled_token_ids=[[sampled[r]] if r in sampled else [] for r in req_ids],
+        logprobs=logprobs,
+        prompt_logprobs_dict=prompt_done,
+    )
 
 
 def _sampling_row(state: RequestState) -> SamplingRow:

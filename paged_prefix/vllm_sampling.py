@@ -56,6 +56,26 @@ def unsupported_reason(params: SamplingParams) -> tuple[str, str] | None:
     return None
 
 
+def argmax_only(params: SamplingParams) -> bool:
+    """Whether vLLM's Sampler answers this request with the argmax of its raw logits: greedy,
+    no processor that changes them (penalties, logit bias, min_tokens, allowed or bad words;
+    min_p, top-k and top-p leave an argmax as it is), no logprobs. Such rows are sampled on the
+    device (`vllm_runner.SampledOnDevice`); a grammar bitmask is checked by the caller."""
+    return (params.sampling_type == SamplingType.GREEDY and params.logprobs is None
+            and params.logprob_token_ids is None and params.presence_penalty == 0
+            and params.frequency_penalty == 0 and params.repetition_penalty == 1
+            and not params.logit_bias and not params.allowed_token_ids
+            and not params.bad_words_token_ids and params.min_tokens == 0)
+
+
+def device_argmax(logits: mx.array) -> mx.array:
+    """Each row's argmax, lazily, on the device: the first of tied maxima, as torch's argmax in
+    vLLM's Sampler takes it (tests/test_serving_sampling.py checks both on ties)."""
+    if logits.shape[0] == 0:
+        return mx.zeros((0,), dtype=mx.uint32)
+    return mx.argmax(logits, axis=-1)
+
+
 def token_id_options(params: SamplingParams) -> dict[str, list]:
     """The sampling options that name token ids, by parameter. vLLM's frontend bounds each by
     the vocabulary (SamplingParams.verify and its input checks); the sampler would fail on an

@@ -112,23 +112,40 @@ def test_simultaneous_arrivals_and_chunked_prefill_match_cache_off(budget, monke
     assert outputs(on) == outputs(off) == run_alone(prompts, 6)
 
 
-def test_preempted_requests_resume_in_chunks_without_sampling_early():
+SCHEDULING = pytest.mark.parametrize("async_scheduling", [False, True], ids=["sync", "async"])
+
+
+def check_overlap(engine):
+    """Every step here samples greedily, on the device; under asynchronous scheduling the
+    runner built forwards before the engine took the output of the step before."""
+    runner = engine.runner
+    assert runner.steps_sampled_on_device == runner.runner.stats.forwards
+    overlapped = runner.forwards_built_while_running
+    assert overlapped > 0 if engine.config.async_scheduling else overlapped == 0
+
+
+@SCHEDULING
+def test_preempted_requests_resume_in_chunks_without_sampling_early(async_scheduling):
     """Defect 1: a resumed request re-prefills prompt + outputs in 8-token chunks; a chunk
     ending past the prompt but before the last known token must not sample."""
     rng = np.random.default_rng(4)
     prompts = {f"p{i}": rng.integers(3, 512, int(n)).tolist()
                for i, n in enumerate(rng.integers(20, 61, 8))}
     tight = run(prompts, True, max_tokens=60, arrive_after_first=False, num_blocks=16,
-                max_num_batched_tokens=8, max_num_seqs=8)
+                max_num_batched_tokens=8, max_num_seqs=8, async_scheduling=async_scheduling)
     assert tight.num_preempted > 0 and tight.num_partial_prefills > 0
     assert outputs(tight) == run_alone(prompts, 60)
+    check_overlap(tight)
 
 
+@SCHEDULING
 @pytest.mark.parametrize("seed", range(8))
-def test_stress_tight_pools_small_budgets_preemption_and_aborts(seed):
+def test_stress_tight_pools_small_budgets_preemption_and_aborts(seed, async_scheduling):
     """Random workloads with shared prefixes on a pool too small for them all, token budgets
     that split every prompt, and some requests aborted mid-way: every completed request equals
-    itself run alone with caching off, every aborted one a prefix of that."""
+    itself run alone with caching off, every aborted one a prefix of that; under vLLM's
+    asynchronous scheduling too (the runner builds each forward before the engine takes the
+    step before's tokens)."""
     rng = np.random.default_rng(100 + seed)
     prompts = {}
     for g in range(3):
@@ -137,7 +154,8 @@ def test_stress_tight_pools_small_budgets_preemption_and_aborts(seed):
     max_tokens = int(rng.integers(20, 40))
     engine = Engine(EngineConfig(**{**BASE, "num_blocks": int(rng.integers(14, 20)),
                                     "max_num_batched_tokens": int(rng.choice([8, 13, 32])),
-                                    "max_num_seqs": 6}))
+                                    "max_num_seqs": 6,
+                                    "async_scheduling": async_scheduling}))
     order = rng.permutation(list(prompts))
     aborted = set(order[:2].tolist())
     for req_id in order:
@@ -157,6 +175,7 @@ def test_stress_tight_pools_small_budgets_preemption_and_aborts(seed):
         else:
             assert result.output_ids == alone[req_id], req_id
     assert engine.num_preempted > 0 and engine.num_partial_prefills > 0
+    check_overlap(engine)
     print(f"seed {seed}: {len(prompts)} requests, {engine.num_preempted} preemptions, "
           f"{engine.num_partial_prefills} chunk splits, "
           f"{sum(r.finish_reason == 'abort' for r in engine.results.values())} aborted")

@@ -12,6 +12,7 @@ workload, against mlx-lm (vllm.LLM's own run: tests/test_serving_groups.py).
 
 from __future__ import annotations
 
+import dataclasses
 import tempfile
 from pathlib import Path
 
@@ -201,9 +202,10 @@ GROUPED = resolve_config("llama-test", num_hidden_layers=6, layer_types=LAYER_TY
 
 @pytest.mark.parametrize("seed", range(3))
 def test_the_runners_tokens_equal_mlx_lm_on_tight_pools(seed):
-    """The same workloads through the offline engine and the paged runner on a real model of
-    those six groups (all six layers in one array pair): every request's greedy tokens equal
-    mlx-lm's own generation with its caches (rotating ones for the sliding layers)."""
+    """The same workloads through the offline engine (vLLM's asynchronous scheduling) and the
+    paged runner on a real model of those six groups (all six layers in one array pair): every
+    request's greedy tokens equal mlx-lm's own generation with its caches (rotating ones for
+    the sliding layers). The pool is one request's blocks (null block included) and a few."""
     rng = np.random.default_rng(50 + seed)
     prompts = {}
     for g in range(2):
@@ -211,12 +213,10 @@ def test_the_runners_tokens_equal_mlx_lm_on_tight_pools(seed):
         for i in range(3):
             prompts[f"g{g}_{i}"] = prefix + rng.integers(3, VOCAB, int(rng.integers(1, 30))).tolist()
     max_tokens, budget = 24, int(rng.choice([16, 32]))
-    probe = Engine(EngineConfig(model=GROUPED, num_blocks=1024, max_model_len=512,
-                                max_num_batched_tokens=budget, max_num_seqs=4))
-    need = 1 + probe.blocks_held(max(map(len, prompts.values())) + max_tokens)  # + null block
-    engine = Engine(EngineConfig(model=GROUPED, num_blocks=need + int(rng.integers(2, 12)),
-                                 max_model_len=512, max_num_batched_tokens=budget,
-                                 max_num_seqs=4))
+    config = EngineConfig(model=GROUPED, num_blocks=1024, max_model_len=512,
+                          max_num_batched_tokens=budget, max_num_seqs=4, async_scheduling=True)
+    need = 1 + Engine(config).blocks_held(max(map(len, prompts.values())) + max_tokens)
+    engine = Engine(dataclasses.replace(config, num_blocks=need + int(rng.integers(2, 12))))
     assert engine.runner.runner.kv_cache.layout.num_arrays == 1
     first, *rest = prompts
     engine.add_request(first, prompts[first], max_tokens)

@@ -22,7 +22,8 @@ from bench import ttft_breakdown
 from paged_prefix.engine import Engine, EngineConfig
 from paged_prefix.kv_groups import kv_cache_config, layer_specs
 from paged_prefix.models import build_model, resolve_config
-from paged_prefix.vllm_runner import VllmModelRunner
+from paged_prefix.requests import PENDING_TOKEN
+from paged_prefix.vllm_runner import SampledOnDevice, VllmModelRunner
 from tests.scheduler_outputs import cached, new, step
 
 BS, NUM_BLOCKS = 16, 32
@@ -214,16 +215,16 @@ def test_writes_stay_inside_the_scheduled_rows_under_the_real_scheduler():
     engine = Engine(EngineConfig(model="llama-test", num_blocks=16, max_model_len=512,
                                  max_num_batched_tokens=40, max_num_seqs=6))
     runner, checked = engine.runner, {"steps": 0, "rows": 0}
-    execute = runner.execute_model
+    forward = runner.run_forward
 
     def rows():  # each array with its rows first (a heads-major cache has them on axis 1)
         cache = runner.runner.kv_cache
         return [np.moveaxis(np.array(a), 1, 0) if cache.heads_major else np.array(a)
                 for a in cache.arrays()]
 
-    def checked_execute(so):
+    def checked_forward(so):
         before = rows()
-        out = execute(so)
+        out = forward(so)
         computed = dict(zip(so.scheduled_cached_reqs.req_ids,
                             so.scheduled_cached_reqs.num_computed_tokens))
         computed.update((n.req_id, n.num_computed_tokens) for n in so.scheduled_new_reqs)
@@ -238,7 +239,7 @@ def test_writes_stay_inside_the_scheduled_rows_under_the_real_scheduler():
         checked["rows"] += int(allowed.sum())
         return out
 
-    runner.execute_model = checked_execute
+    runner.run_forward = checked_forward
     rng = np.random.default_rng(5)
     prefix = rng.integers(3, VOCAB, 40).tolist()
     for i in range(8):
@@ -345,3 +346,37 @@ def test_debug_log_says_where_each_steps_time_goes(caplog):
     steps = ttft_breakdown.steps_of("\n".join(lines))
     assert [(s.tokens, s.decode_rows) for s in steps] == [(20, 0), (1, 1)]
     assert steps[0].start < steps[0].end <= steps[1].start < steps[1].end
+
+
+def test_greedy_steps_sample_on_the_device_others_through_vllms_sampler():
+    """A step whose rows are all `argmax_only` returns vLLM's AsyncModelRunnerOutput at once,
+    its tokens left on the device, where the next forward reads them (the host's list holds a
+    placeholder until then); a step with one row that needs vLLM's Sampler (here one asking for
+    logprobs) is sampled there. Both give the same greedy tokens."""
+    runner = make_runner()
+    prompts = {"a": list(range(3, 23)), "b": list(range(40, 52))}
+    runner.run_forward(step({"a": 20, "b": 12}, [new("a", prompts["a"], ([1, 2],)),
+                                                 new("b", prompts["b"], ([3],))]))
+    first = runner.sample_tokens(None)
+    assert isinstance(first, SampledOnDevice) and not first.taken
+    assert [runner.requests[r].pending for r in "ab"] == [1, 1]
+    assert runner.requests["a"].token_ids[-1] == PENDING_TOKEN
+    # the next step is planned and built before the engine takes the first one's output
+    runner.run_forward(step({"a": 1, "b": 1}, cached_reqs=cached(["a", "b"], [None, None],
+                                                                 [20, 12])))
+    assert runner.forwards_built_while_running == 1
+    tokens = [t for (t,) in first.get_output().sampled_token_ids]
+    assert [runner.requests[r].output_token_ids for r in "ab"] == [(t,) for t in tokens]
+    second = runner.sample_tokens(None).get_output().sampled_token_ids
+    assert runner.steps_sampled_on_device == 2
+    # the same requests run one step at a time, every token through vLLM's Sampler
+    alone = make_runner()
+    logprobs = new("b", prompts["b"], ([3],), logprobs=2)
+    alone.run_forward(step({"a": 20, "b": 12}, [new("a", prompts["a"], ([1, 2],)), logprobs]))
+    out = alone.sample_tokens(None)
+    assert not isinstance(out, SampledOnDevice) and alone.steps_sampled_on_device == 0
+    assert [t for (t,) in out.sampled_token_ids] == tokens and out.logprobs is not None
+    alone.execute_model(step({"a": 1, "b": 1}, cached_reqs=cached(["a", "b"], [None, None],
+                                                                  [20, 12])))
+    assert [alone.requests[r].output_token_ids for r in "ab"] == [
+        (t, s) for t, (s,) in zip(tokens, second)]

@@ -14,7 +14,14 @@ from vllm.config import ModelConfig, VllmConfig
 from vllm.sampling_params import SamplingParams
 
 from paged_prefix.models import hf_config, resolve_config
-from paged_prefix.vllm_sampling import BatchSampler, SamplingRow, make_generator, unsupported_reason
+from paged_prefix.vllm_sampling import (
+    BatchSampler,
+    SamplingRow,
+    argmax_only,
+    device_argmax,
+    make_generator,
+    unsupported_reason,
+)
 
 VOCAB = 64
 
@@ -114,6 +121,41 @@ def test_penalties_bias_and_processors_change_the_greedy_choice(sampler):
     stop = SamplingParams(min_tokens=2, stop_token_ids=[7], **greedy)
     assert sample(sampler, values, [row(stop, outputs=[1])])[0] == [9]
     assert sample(sampler, values, [row(stop, outputs=[1, 2])])[0] == [7]
+
+
+@pytest.mark.parametrize("vocab", [VOCAB, 49152])
+def test_the_device_argmax_is_the_samplers_greedy_choice_ties_included(vocab):
+    """The runner samples a step whose rows are all `argmax_only` with `device_argmax` (on the
+    GPU where there is one): the same token as vLLM's Sampler, the first of tied maxima."""
+    rng = np.random.default_rng(5)
+    values = rng.standard_normal((6, vocab)).astype(np.float32)
+    values[0, [3, vocab - 1]] = 9.0  # tied, far apart
+    values[1, :] = 0.0  # all tied
+    values[2, [vocab // 2, vocab // 2 + 1]] = 9.0  # tied neighbours
+    values[3, :vocab - 1] = -np.inf  # only the last is finite
+    values[4, [1, vocab // 3, 2 * vocab // 3]] = 7.5  # three tied
+    greedy = SamplingParams(temperature=0.0)
+    expected, _ = sample(BatchSampler(vocab, VllmConfig()), values, [row(greedy)] * len(values))
+    assert device_argmax(mx.array(values)).tolist() == expected == np.argmax(values, -1).tolist()
+    assert device_argmax(mx.zeros((0, vocab))).tolist() == []
+
+
+def test_argmax_only_holds_for_greedy_rows_nothing_changes():
+    """Options that leave a greedy row's choice alone (top-k, top-p, min-p, stop ids) keep it
+    `argmax_only`; each that changes the logits or asks for logprobs sends the step through
+    vLLM's Sampler (the greedy choices they change are checked above)."""
+    greedy = dict(temperature=0.0)
+    assert argmax_only(SamplingParams(**greedy, top_k=5, top_p=0.5, min_p=0.2,
+                                      stop_token_ids=[7], ignore_eos=True, max_tokens=3))
+    for changed in (dict(temperature=0.7), dict(logprobs=0), dict(logprob_token_ids=[1]),
+                    dict(repetition_penalty=2.0), dict(frequency_penalty=0.3),
+                    dict(presence_penalty=0.1), dict(logit_bias={3: 5.0}),
+                    dict(allowed_token_ids=[1, 9]), dict(bad_words=["x"]),
+                    dict(min_tokens=2)):
+        params = SamplingParams(**{**greedy, **changed})
+        if "bad_words" in changed:  # vLLM's frontend tokenizes bad words into these ids
+            params._bad_words_token_ids = [[5]]
+        assert not argmax_only(params), changed
 
 
 def test_unsupported_options_are_named():

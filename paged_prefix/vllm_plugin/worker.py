@@ -4,9 +4,11 @@ Engine-core call order (vLLM 0.32, uni-process executor, one worker in the engin
   init_device -> load_model -> get_kv_cache_spec -> get_supported_kv_cache_layouts
   -> determine_available_memory -> initialize_from_config -> compile_or_warm_up_model
   -> [execute_model (None) -> sample_tokens]* -> shutdown
-`execute_model` runs the forward and returns None, `sample_tokens` samples and returns the
-step's output: the contract vLLM's engine uses with synchronous and asynchronous scheduling
-alike. The same class serves under vllm-metal's platform through `--worker-cls`.
+`execute_model` builds and launches the forward and returns None, `sample_tokens` samples and
+returns the step's output (an AsyncModelRunnerOutput when the rows sample on the device, whose
+tokens the engine takes later: `vllm_runner.py`): the contract vLLM's engine uses with
+synchronous and asynchronous scheduling alike. The same class serves under vllm-metal's
+platform through `--worker-cls`.
 """
 
 from __future__ import annotations
@@ -20,7 +22,7 @@ from vllm.config import VllmConfig
 from vllm.distributed import ensure_model_parallel_initialized, init_distributed_environment
 from vllm.utils.torch_utils import kv_cache_dtype_str_to_dtype, set_random_seed
 from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheSpec
-from vllm.v1.outputs import ModelRunnerOutput
+from vllm.v1.outputs import AsyncModelRunnerOutput, ModelRunnerOutput
 from vllm.v1.worker.worker_base import CompilationTimes, WorkerBase
 
 from .. import cpu_blas, hybrid_config, precision
@@ -193,7 +195,7 @@ class MLXWorker(WorkerBase):
     def execute_model(self, scheduler_output) -> ModelRunnerOutput | None:
         return self.runner.run_forward(scheduler_output)
 
-    def sample_tokens(self, grammar_output) -> ModelRunnerOutput:
+    def sample_tokens(self, grammar_output) -> ModelRunnerOutput | AsyncModelRunnerOutput:
         return self.runner.sample_tokens(grammar_output)
 
     def take_draft_token_ids(self):
