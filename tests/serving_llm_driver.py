@@ -6,7 +6,8 @@ A process of its own: vLLM fixes its platform once per process, and the test pro
 already hold another (the offline engine's tests run vLLM's scheduler there). The engine
 runs in this process (VLLM_ENABLE_V1_MULTIPROCESSING=0) with synchronous or asynchronous
 scheduling (vLLM's default), a small KV budget. Two greedy passes over prompts that share a prefix (the second
-hits what the first cached), then seeded sampling.
+hits what the first cached), the same greedy without logprobs (sampled on the device), then
+seeded sampling.
 """
 
 from __future__ import annotations
@@ -44,6 +45,11 @@ def main(model: str, caching: str, scheduling: str) -> None:
             "logprobs": [{str(t): lp.logprob for t, lp in step.items()}
                          for step in o.outputs[0].logprobs],
         } for o in llm.generate(prompts, greedy, use_tqdm=False)])
+    # the same prompts without logprobs: every row then samples its argmax on the device
+    plain = SamplingParams(temperature=0.0, max_tokens=GREEDY_TOKENS, ignore_eos=True)
+    on_device = [list(o.outputs[0].token_ids)
+                 for o in llm.generate(prompts, plain, use_tqdm=False)]
+    runner = llm.llm_engine.engine_core.engine_core.model_executor.driver_worker.worker.runner
     seeded = [list(llm.generate([prompts[0]], SamplingParams(
         temperature=0.8, top_p=0.9, max_tokens=GREEDY_TOKENS, seed=seed),
         use_tqdm=False)[0].outputs[0].token_ids) for seed in SEEDS]
@@ -54,7 +60,9 @@ def main(model: str, caching: str, scheduling: str) -> None:
     scheduling = llm.llm_engine.vllm_config.scheduler_config.async_scheduling
     llm.llm_engine.engine_core.shutdown()
     print("RESULT " + json.dumps({"passes": passes, "seeded": seeded,
-                                 "hot_logprobs": hot_logprobs, "async_scheduling": scheduling}))
+                                 "hot_logprobs": hot_logprobs, "async_scheduling": scheduling,
+                                 "on_device": on_device,
+                                 "steps_sampled_on_device": runner.steps_sampled_on_device}))
 
 
 if __name__ == "__main__":

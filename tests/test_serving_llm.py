@@ -72,6 +72,15 @@ def mlx_lm_greedy(model_dir, runs) -> list[dict]:
     return out
 
 
+def test_greedy_rows_sampled_on_the_device_give_the_samplers_tokens(runs):
+    """Greedy requests without logprobs take their argmax on the device (the engine takes
+    their tokens later; under asynchronous scheduling it schedules the next step first): the
+    same tokens as the greedy passes through vLLM's Sampler (with logprobs), in both settings."""
+    for run in runs.values():
+        assert run["on_device"] == tokens(run, 0)
+        assert run["steps_sampled_on_device"] >= GREEDY_TOKENS
+
+
 def tokens(run: dict, pass_index: int) -> list[list[int]]:
     return [r["token_ids"] for r in run["passes"][pass_index]]
 

@@ -1,0 +1,173 @@
+"""One request's decode through vLLM's engine with the plugin against mlx-lm's own loop, and
+where a step's time goes.
+
+    python -m bench.probes.decode_tpot [--random-weights llama-1b] [--requests 4]
+        [--prompt-len 2048] [--output-len 128] [--out results/decode_tpot.json]
+
+Over one folder (SmolLM2-135M by default; --random-weights as serve_bench writes them), one
+greedy request at a time, each a new seeded prompt of token ids, every run in a process of its
+own (vLLM fixes its platform once a process), one after the other:
+  vllm async   vllm.LLM in this process (no API server), prefix caching on, asynchronous
+               scheduling (vLLM's default): each step is scheduled and built before the
+               engine takes the step before's tokens;
+  vllm sync    the same with synchronous scheduling;
+  mlx-lm       mlx_lm's generate_step over its own cache (it builds token n + 1's graph while
+               token n runs).
+TPOT: (last token's time - first token's) / (tokens - 1), the median over requests. For the
+vLLM runs the runner's step log (DEBUG) gives the median decode step: its forward (graph build,
+then the wait for the step before), its sampling, and the time from one step's end to the
+next's start (the engine: outputs, scheduling).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import re
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+RUNS = ("vllm async", "vllm sync", "mlx-lm")
+_FORWARD = re.compile(r"step: 1 sequences \(1 of one token\).*; forward ([\d.]+) ms \(([\d.]+) ms "
+                      r"of it building the graph, ([\d.]+) ms waiting for the step before\) "
+                      r"from t=([\d.]+) s")
+_SAMPLED = re.compile(r"step: sampled 1 rows in ([\d.]+) ms, ending at t=([\d.]+) s \((.*)\)")
+
+
+def prompts(args: argparse.Namespace, vocab: int) -> list[list[int]]:
+    import numpy as np
+
+    rng = np.random.default_rng(args.seed)
+    return [rng.integers(10, vocab - 10, args.prompt_len).tolist() for _ in range(args.requests)]
+
+
+def tpot(times: list[float]) -> float:
+    return 1e3 * (times[-1] - times[0]) / (len(times) - 1)
+
+
+def run_vllm(model: str, args: argparse.Namespace, scheduling: str) -> dict:
+    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+    from vllm import LLM, SamplingParams
+
+    lines: list[str] = []
+
+    class Keep(logging.Handler):
+        def emit(self, record):
+            lines.append(record.getMessage())
+
+    log = logging.getLogger("paged_prefix.vllm_runner")
+    llm = LLM(model=model, enable_prefix_caching=True, max_model_len=args.prompt_len + args.output_len + 16,
+              kv_cache_memory_bytes=args.kv_cache_memory_bytes, seed=0, max_num_seqs=4,
+              async_scheduling=scheduling == "async")
+    engine = llm.llm_engine
+    params = SamplingParams(temperature=0.0, max_tokens=args.output_len, ignore_eos=True)
+    log.addHandler(Keep())
+    log.setLevel(logging.DEBUG)
+    results = []
+    for i, ids in enumerate(prompts(args, engine.model_config.get_vocab_size())):
+        engine.add_request(str(i), {"prompt_token_ids": ids}, params)
+        times, seen = [], 0
+        while engine.has_unfinished_requests():
+            for out in engine.step():
+                n = len(out.outputs[0].token_ids)
+                times += [time.perf_counter()] * (n - seen)
+                seen = n
+        results.append(tpot(times))
+    log.setLevel(logging.INFO)
+    runner = engine.engine_core.engine_core.model_executor.driver_worker.worker.runner
+    steps = decode_steps("\n".join(lines))
+    engine.engine_core.shutdown()
+    return {"tpot_ms": results, "steps": steps,
+            "steps_sampled_on_device": runner.steps_sampled_on_device,
+            "forwards_built_while_running": runner.forwards_built_while_running}
+
+
+def decode_steps(log: str) -> dict:
+    """Medians over the decode steps of the runner's log (ms)."""
+    rows, last_end, forward = [], None, None
+    for line in log.splitlines():
+        if m := _FORWARD.search(line):
+            forward = m
+        elif (m := _SAMPLED.search(line)) and forward is not None:
+            total, build, wait, start = map(float, forward.groups())
+            rows.append({"forward": total, "build": build, "wait": wait,
+                         "sampling": float(m.group(1)),
+                         "between": None if last_end is None else 1e3 * (start - last_end),
+                         "how": m.group(3)})
+            last_end, forward = float(m.group(2)), None
+    if not rows:
+        return {}
+    out = {k: statistics.median(r[k] for r in rows if r[k] is not None)
+           for k in ("forward", "build", "wait", "sampling", "between")}
+    return {**out, "decode_steps": len(rows), "sampled": sorted({r["how"] for r in rows})}
+
+
+def run_mlx_lm(model: str, args: argparse.Namespace) -> dict:
+    from paged_prefix import cpu_blas  # before mlx.core: the BLAS vLLM's worker runs on
+
+    cpu_blas.require()
+    import mlx.core as mx
+    from mlx_lm import load
+    from mlx_lm.generate import generate_step
+
+    model_, tokenizer = load(model)
+    results = []
+    for ids in prompts(args, model_.args.vocab_size):
+        times = []
+        for _, _ in zip(range(args.output_len), generate_step(mx.array(ids), model_)):
+            times.append(time.perf_counter())
+        results.append(tpot(times))
+    return {"tpot_ms": results}
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--random-weights", default=None)
+    p.add_argument("--tokenizer", type=Path, default=None)
+    p.add_argument("--requests", type=int, default=4)
+    p.add_argument("--prompt-len", type=int, default=2048)
+    p.add_argument("--output-len", type=int, default=128)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--kv-cache-memory-bytes", type=int, default=1 << 30)
+    p.add_argument("--out", type=Path, default=Path("results/decode_tpot.json"))
+    p.add_argument("--one", choices=RUNS, help=argparse.SUPPRESS)  # a child process's run
+    p.add_argument("--model-dir", help=argparse.SUPPRESS)
+    args = p.parse_args(argv)
+    if args.one:
+        result = run_mlx_lm(args.model_dir, args) if args.one == "mlx-lm" else \
+            run_vllm(args.model_dir, args, args.one.split()[1])
+        print("RESULT " + json.dumps(result))
+        return 0
+    from bench.serve_bench import resolve_model
+
+    model = resolve_model(argparse.Namespace(random_weights=args.random_weights, model=None,
+                                             tokenizer=args.tokenizer, dtype=None))
+    results = {}
+    for run in RUNS:
+        child = subprocess.run([sys.executable, "-m", "bench.probes.decode_tpot", "--one", run,
+                                "--model-dir", model, *(argv or sys.argv[1:])],
+                               capture_output=True, text=True)
+        line = [x for x in child.stdout.splitlines() if x.startswith("RESULT ")]
+        if child.returncode or not line:
+            print(child.stderr[-3000:], file=sys.stderr)
+            raise SystemExit(f"{run}: the run failed (exit {child.returncode})")
+        results[run] = json.loads(line[-1][len("RESULT "):])
+        median = statistics.median(results[run]["tpot_ms"])
+        print(f"{run:<11} TPOT p50 {median:6.2f} ms  {results[run].get('steps', '')}", flush=True)
+    base = statistics.median(results["mlx-lm"]["tpot_ms"])
+    for run in RUNS[:2]:
+        print(f"{run} / mlx-lm: {statistics.median(results[run]['tpot_ms']) / base:.3f}x")
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps({"model": model, "prompt_len": args.prompt_len,
+                                    "output_len": args.output_len, "requests": args.requests,
+                                    "results": results}, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
