@@ -321,7 +321,8 @@ class VllmModelRunner:
     def _log_forward(self, meta: BatchMetadata, start: float, built: float,
                      waited: float) -> None:
         """Where a step's time goes, for TTFT questions: its shape, the attention path (and
-        for SDPA where its K/V came from), the forward's time and the idle time before it; `t`
+        for SDPA where its K/V came from), the forward's time and the idle time before it, and
+        MLX's memory (held by arrays, and freed but cached) when the forward was launched; `t`
         is `time.perf_counter()`, the clock vLLM's benchmark client stamps requests with
         (bench/ttft_breakdown.py lines the two up)."""
         q = meta.groups[0].attn.q_lens_host
@@ -332,10 +333,12 @@ class VllmModelRunner:
             f", {1e3 * (start - self._last_step_end):.1f} ms after the last step"
         logger.debug("step: %d sequences (%d of one token), %d tokens after %d already in the "
                      "cache, %s; forward %.1f ms (%.1f ms of it building the graph, %.1f ms "
-                     "waiting for the step before) from t=%.4f s%s", len(q), int((q == 1).sum()),
-                     int(q.sum()), int(meta.groups[0].attn.context_lens_host.sum()), attention,
+                     "waiting for the step before) from t=%.4f s%s; MLX memory %.0f MiB active, "
+                     "%.0f MiB cached", len(q), int((q == 1).sum()), int(q.sum()),
+                     int(meta.groups[0].attn.context_lens_host.sum()), attention,
                      1e3 * (time.perf_counter() - start), 1e3 * (built - start),
-                     1e3 * (waited - built), start, idle)
+                     1e3 * (waited - built), start, idle, mx.get_active_memory() / 2**20,
+                     mx.get_cache_memory() / 2**20)
 
 
 class SampledOnDevice(AsyncModelRunnerOutput):

@@ -7,7 +7,15 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from paged_prefix.requests import Limits, admit, plan_step, with_sampled
+from paged_prefix.requests import (
+    PENDING_TOKEN,
+    Limits,
+    admit,
+    plan_step,
+    with_pending,
+    with_read,
+    with_sampled,
+)
 from tests.scheduler_outputs import cached, new, step
 
 LIMITS = Limits(vocab_size=512, block_size=16, num_blocks=32, max_sampling_rows=4)
@@ -93,6 +101,29 @@ def test_with_sampled_appends_to_the_sampled_requests_only():
     after = with_sampled(live, {"b": 11})
     assert after["a"] is live["a"] and after["b"].output_token_ids == (7, 11)
     assert live["b"].output_token_ids == (7,)
+
+
+def test_a_token_sampled_on_the_device_is_planned_as_pending_then_read():
+    """A token whose value is still on the device takes its position as PENDING_TOKEN on the
+    host (the forward reads it on the device); reading it puts the value in its place. A second
+    pending token before the first is read is refused; a resumed request takes the scheduler's
+    tokens, pending none."""
+    plan = run({}, step({"a": 40}, [new("a", PROMPT, ([1, 2, 3],))]))
+    live = with_pending(plan.requests, ["a"])
+    assert live["a"].pending == 1 and live["a"].output_token_ids == ()
+    assert live["a"].token_ids == [*PROMPT, PENDING_TOKEN]
+    with pytest.raises(ValueError, match="not yet read"):
+        with_pending(live, ["a"])
+    decode = run(live, step({"a": 1}, cached_reqs=cached(["a"], [None], [40])))
+    assert np.array(decode.meta.input_ids).tolist() == [PENDING_TOKEN]
+    read = with_read(decode.requests, {"a": 9, "gone": 4})
+    assert read["a"].pending == 0 and read["a"].token_ids == [*PROMPT, 9]
+    assert with_read(read, {"a": 5})["a"] is read["a"]  # nothing pending: left as it is
+    preempting = run(live, step({}, preempted=["a"]))
+    resumed = cached(["a"], [([10, 11, 12],)], [16], resumed=["a"],
+                     all_token_ids={"a": [*PROMPT, 9]})
+    state = run(preempting.requests, step({"a": 25}, cached_reqs=resumed)).requests["a"]
+    assert state.pending == 0 and state.output_token_ids == (9,)
 
 
 def test_more_sampling_rows_than_the_limit_are_refused():

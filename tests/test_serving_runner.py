@@ -341,7 +341,8 @@ def test_debug_log_says_where_each_steps_time_goes(caplog):
     if path == "sdpa":  # where its K/V came from: its new rows, then its blocks 1-2 in place
         assert "sdpa attention (sequences: 1 uncached); forward " in lines[0]
         assert "sdpa attention (sequences: 1 read in place); forward " in lines[2]
-    assert lines[2].endswith("ms after the last step")
+    assert "ms after the last step; MLX memory " in lines[2]
+    assert lines[2].endswith(" MiB cached")
     # what bench/ttft_breakdown.py reads off a server's log: two timed steps, in order
     steps = ttft_breakdown.steps_of("\n".join(lines))
     assert [(s.tokens, s.decode_rows) for s in steps] == [(20, 0), (1, 1)]
