@@ -193,8 +193,9 @@ class VllmModelRunner:
         return out.get_output() if isinstance(out, AsyncModelRunnerOutput) else out
 
     def run_forward(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput | None:
-        """Run the step's forward and commit its request changes; `sample_tokens` follows
-        unless this returns an output (no token was scheduled: only state changes)."""
+        """Build and launch the step's forward (once the step before has finished) and commit
+        its request changes; `sample_tokens` follows unless this returns an output (no token
+        was scheduled: only state changes)."""
         runner = self._core("execute_model")
         if self._pending is not None:
             raise ValueError("sample_tokens: the previous forward's tokens were never sampled")
