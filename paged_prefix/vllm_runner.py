@@ -10,7 +10,7 @@
 `run_forward` + `sample_tokens` is the split vLLM's workers use (vllm-metal's runner too):
 it serves both synchronous and asynchronous scheduling. Sampling is vLLM's own Sampler
 (`vllm_sampling.py`), except for a step whose every sampling row vLLM would answer with the
-argmax of its logits (`vllm_sampling.argmax_only`: greedy, nothing that changes the logits,
+argmax of its logits (`vllm_sampling.needs_sampler`: greedy, nothing that changes the logits,
 no logprobs, no grammar): its argmax is taken on the device and `sample_tokens` returns at
 once, with vLLM's AsyncModelRunnerOutput (`SampledOnDevice`), whose tokens the host reads
 only when the engine asks for them. The next step's forward then reads those tokens on the
@@ -71,10 +71,10 @@ from .state_metadata import StateLedger, commit
 from .vllm_sampling import (
     BatchSampler,
     SamplingRow,
-    argmax_only,
     device_argmax,
     grammar_rows,
     in_output_order,
+    needs_sampler,
 )
 
 logger = logging.getLogger(__name__)
@@ -99,11 +99,12 @@ class VllmModelRunner:
         # the last step, when it was launched without the host waiting for it (its rows sampled
         # on the device): the next forward waits for it, and reads its tokens into the states
         self._running: SampledOnDevice | None = None
-        self.steps_sampled_on_device = 0  # steps whose rows were all argmax_only
+        self.steps_sampled_on_device = 0  # steps whose rows need no Sampler (needs_sampler)
         # forwards built before the engine took the output of the step they follow (vLLM's
         # asynchronous scheduling): the host's work that overlapped the device's
         self.forwards_built_while_running = 0
         self._last_step_end: float | None = None  # for the debug log's time between steps
+        self._logged_sampling: set[str] = set()  # sampling ways logged (their first use)
 
     def layer_windows(self) -> tuple[int | None, ...]:
         """Each layer's sliding window as the runner attends with it (None: full attention),
@@ -274,17 +275,23 @@ class VllmModelRunner:
 
     def sample_tokens(self, grammar_output: GrammarOutput | None,
                       ) -> ModelRunnerOutput | SampledOnDevice:
-        """Sample the pending forward's rows: on the device when every row is `argmax_only`
-        (and none has a grammar), else with vLLM's Sampler, constrained by the structured-output
-        requests' grammar bitmask when there is one; append the tokens."""
+        """Sample the pending forward's rows: on the device when no row `needs_sampler` (and
+        none has a grammar), else with vLLM's Sampler, constrained by the structured-output
+        requests' grammar bitmask when there is one; append the tokens. Each way is logged
+        the first time it runs, with the reason."""
         if self._pending is None:
             raise ValueError("sample_tokens: no forward is pending (run_forward first)")
         (plan, logits, prompt_done), self._pending = self._pending, None
         sample_ids = plan.meta.sample_req_ids
         grammar = grammar_rows(grammar_output, sample_ids)
         start = time.perf_counter()
-        if not grammar and all(argmax_only(self.requests[r].params) for r in sample_ids):
+        why = "a grammar bitmask" if grammar else next(
+            (w for r in sample_ids if (w := needs_sampler(self.requests[r].params))), None)
+        if why is None:
+            self._log_once("argmax on the device, returned before the step has run (every row "
+                           "greedy, nothing changing its logits, no logprobs)")
             return self._sample_on_device(plan, logits, prompt_done, start)
+        self._log_once(f"vLLM's Sampler (first for a row's {why})")
         mx.eval(logits, self.runner.cache_arrays())  # the step's one host sync
         sampled: dict[str, int] = {}
         logprobs = None
@@ -304,7 +311,7 @@ class VllmModelRunner:
     def _sample_on_device(self, plan: StepPlan, logits: mx.array,
                           prompt_done: dict[str, LogprobsTensors],
                           start: float) -> SampledOnDevice:
-        """Every row (if any) samples its argmax (`argmax_only`): taken on the device and
+        """Every row (if any) samples its argmax (`needs_sampler`): taken on the device and
         launched; the tokens stay there for the next forward, and reach the host when the engine
         (or the next forward, once its graph is built) reads them."""
         sample_ids = plan.meta.sample_req_ids
@@ -318,6 +325,12 @@ class VllmModelRunner:
                      "device, read by the host later)", len(sample_ids),
                      1e3 * (self._last_step_end - start), self._last_step_end)
         return self._running
+
+    def _log_once(self, way: str) -> None:
+        kind = way.split(" (")[0]
+        if kind not in self._logged_sampling:
+            self._logged_sampling.add(kind)
+            logger.info("paged_prefix sampling: %s", way)
 
     def _log_forward(self, meta: BatchMetadata, start: float, built: float,
                      waited: float) -> None:

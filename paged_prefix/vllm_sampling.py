@@ -56,16 +56,23 @@ def unsupported_reason(params: SamplingParams) -> tuple[str, str] | None:
     return None
 
 
-def argmax_only(params: SamplingParams) -> bool:
-    """Whether vLLM's Sampler answers this request with the argmax of its raw logits: greedy,
-    no processor that changes them (penalties, logit bias, min_tokens, allowed or bad words;
-    min_p, top-k and top-p leave an argmax as it is), no logprobs. Such rows are sampled on the
-    device (`vllm_runner.SampledOnDevice`); a grammar bitmask is checked by the caller."""
-    return (params.sampling_type == SamplingType.GREEDY and params.logprobs is None
-            and params.logprob_token_ids is None and params.presence_penalty == 0
-            and params.frequency_penalty == 0 and params.repetition_penalty == 1
-            and not params.logit_bias and not params.allowed_token_ids
-            and not params.bad_words_token_ids and params.min_tokens == 0)
+def needs_sampler(params: SamplingParams) -> str | None:
+    """Why vLLM's Sampler must sample this request's row, or None where its token is the argmax
+    of its raw logits: greedy, no processor that changes them (penalties, logit bias,
+    min_tokens, allowed or bad words; min_p, top-k and top-p leave an argmax as it is), no
+    logprobs. Steps whose every row is None here are sampled on the device
+    (`vllm_runner.SampledOnDevice`); a grammar bitmask is the caller's to check."""
+    changed = {
+        f"temperature {params.temperature}": params.sampling_type != SamplingType.GREEDY,
+        "logprobs": params.logprobs is not None or params.logprob_token_ids is not None,
+        "penalties": (params.presence_penalty, params.frequency_penalty,
+                      params.repetition_penalty) != (0, 0, 1),
+        "logit_bias": bool(params.logit_bias),
+        "allowed_token_ids": bool(params.allowed_token_ids),
+        "bad_words": bool(params.bad_words_token_ids),
+        "min_tokens": params.min_tokens > 0,
+    }
+    return next((name for name, used in changed.items() if used), None)
 
 
 def device_argmax(logits: mx.array) -> mx.array:

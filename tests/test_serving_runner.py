@@ -330,8 +330,13 @@ def test_debug_log_says_where_each_steps_time_goes(caplog):
     with caplog.at_level(logging.DEBUG, logger="paged_prefix.vllm_runner"):
         runner.execute_model(step({"a": 20}, [new("a", list(range(3, 23)), ([1, 2],))]))
         runner.execute_model(step({"a": 1}, cached_reqs=cached(["a"], [None], [20])))
-    lines = [r.getMessage() for r in caplog.records if r.name == "paged_prefix.vllm_runner"]
+    records = [r for r in caplog.records if r.name == "paged_prefix.vllm_runner"]
+    lines = [r.getMessage() for r in records if r.levelno == logging.DEBUG]
     assert len(lines) == 4
+    # the way each step sampled is logged at INFO the first time it runs
+    assert [r.getMessage() for r in records if r.levelno == logging.INFO] == [
+        "paged_prefix sampling: argmax on the device, returned before the step has run (every "
+        "row greedy, nothing changing its logits, no logprobs)"]
     path = runner.runner.dispatcher.last.path
     assert lines[0].startswith("step: 1 sequences (0 of one token), 20 tokens after 0 already "
                                f"in the cache, {path} attention")
@@ -349,8 +354,8 @@ def test_debug_log_says_where_each_steps_time_goes(caplog):
     assert steps[0].start < steps[0].end <= steps[1].start < steps[1].end
 
 
-def test_greedy_steps_sample_on_the_device_others_through_vllms_sampler():
-    """A step whose rows are all `argmax_only` returns vLLM's AsyncModelRunnerOutput at once,
+def test_greedy_steps_sample_on_the_device_others_through_vllms_sampler(caplog):
+    """A step where no row `needs_sampler` returns vLLM's AsyncModelRunnerOutput at once,
     its tokens left on the device, where the next forward reads them (the host's list holds a
     placeholder until then); a step with one row that needs vLLM's Sampler (here one asking for
     logprobs) is sampled there. Both give the same greedy tokens."""
@@ -374,7 +379,9 @@ def test_greedy_steps_sample_on_the_device_others_through_vllms_sampler():
     alone = make_runner()
     logprobs = new("b", prompts["b"], ([3],), logprobs=2)
     alone.run_forward(step({"a": 20, "b": 12}, [new("a", prompts["a"], ([1, 2],)), logprobs]))
-    out = alone.sample_tokens(None)
+    with caplog.at_level(logging.INFO, logger="paged_prefix.vllm_runner"):
+        out = alone.sample_tokens(None)
+    assert "paged_prefix sampling: vLLM's Sampler (first for a row's logprobs)" in caplog.messages
     assert not isinstance(out, SampledOnDevice) and alone.steps_sampled_on_device == 0
     assert [t for (t,) in out.sampled_token_ids] == tokens and out.logprobs is not None
     alone.execute_model(step({"a": 1, "b": 1}, cached_reqs=cached(["a", "b"], [None, None],

@@ -17,9 +17,9 @@ from paged_prefix.models import hf_config, resolve_config
 from paged_prefix.vllm_sampling import (
     BatchSampler,
     SamplingRow,
-    argmax_only,
     device_argmax,
     make_generator,
+    needs_sampler,
     unsupported_reason,
 )
 
@@ -125,7 +125,7 @@ def test_penalties_bias_and_processors_change_the_greedy_choice(sampler):
 
 @pytest.mark.parametrize("vocab", [VOCAB, 49152])
 def test_the_device_argmax_is_the_samplers_greedy_choice_ties_included(vocab):
-    """The runner samples a step whose rows are all `argmax_only` with `device_argmax` (on the
+    """The runner samples a step where no row `needs_sampler` with `device_argmax` (on the
     GPU where there is one): the same token as vLLM's Sampler, the first of tied maxima."""
     rng = np.random.default_rng(5)
     values = rng.standard_normal((6, vocab)).astype(np.float32)
@@ -140,22 +140,25 @@ def test_the_device_argmax_is_the_samplers_greedy_choice_ties_included(vocab):
     assert device_argmax(mx.zeros((0, vocab))).tolist() == []
 
 
-def test_argmax_only_holds_for_greedy_rows_nothing_changes():
-    """Options that leave a greedy row's choice alone (top-k, top-p, min-p, stop ids) keep it
-    `argmax_only`; each that changes the logits or asks for logprobs sends the step through
-    vLLM's Sampler (the greedy choices they change are checked above)."""
+def test_only_rows_whose_token_is_their_argmax_skip_the_sampler():
+    """Options that leave a greedy row's choice alone (top-k, top-p, min-p, stop ids) need no
+    Sampler; each that changes the logits or asks for logprobs is named as the reason the step
+    goes through vLLM's Sampler (the greedy choices they change are checked above)."""
     greedy = dict(temperature=0.0)
-    assert argmax_only(SamplingParams(**greedy, top_k=5, top_p=0.5, min_p=0.2,
-                                      stop_token_ids=[7], ignore_eos=True, max_tokens=3))
-    for changed in (dict(temperature=0.7), dict(logprobs=0), dict(logprob_token_ids=[1]),
-                    dict(repetition_penalty=2.0), dict(frequency_penalty=0.3),
-                    dict(presence_penalty=0.1), dict(logit_bias={3: 5.0}),
-                    dict(allowed_token_ids=[1, 9]), dict(bad_words=["x"]),
-                    dict(min_tokens=2)):
+    assert needs_sampler(SamplingParams(**greedy, top_k=5, top_p=0.5, min_p=0.2,
+                                        stop_token_ids=[7], ignore_eos=True, max_tokens=3)) is None
+    for changed, why in ((dict(temperature=0.7), "temperature 0.7"), (dict(logprobs=0), "logprobs"),
+                         (dict(logprob_token_ids=[1]), "logprobs"),
+                         (dict(repetition_penalty=2.0), "penalties"),
+                         (dict(frequency_penalty=0.3), "penalties"),
+                         (dict(presence_penalty=0.1), "penalties"),
+                         (dict(logit_bias={3: 5.0}), "logit_bias"),
+                         (dict(allowed_token_ids=[1, 9]), "allowed_token_ids"),
+                         (dict(bad_words=["x"]), "bad_words"), (dict(min_tokens=2), "min_tokens")):
         params = SamplingParams(**{**greedy, **changed})
         if "bad_words" in changed:  # vLLM's frontend tokenizes bad words into these ids
             params._bad_words_token_ids = [[5]]
-        assert not argmax_only(params), changed
+        assert needs_sampler(params) == why, changed
 
 
 def test_unsupported_options_are_named():
