@@ -33,7 +33,8 @@ from pathlib import Path
 
 _FORWARD = re.compile(r"step: (\d+) sequences \((\d+) of one token\), (\d+) tokens after \d+ "
                       r"already in the cache, .*; forward ([\d.]+) ms \(([\d.]+) ms of it "
-                      r"building the graph[^)]*\) from t=([\d.]+) s")
+                      r"building the graph(?:, ([\d.]+) ms waiting for the step before)?\) "
+                      r"from t=([\d.]+) s")
 _SAMPLED = re.compile(r"step: sampled \d+ rows in ([\d.]+) ms, ending at t=([\d.]+) s")
 PARTS = ("before", "forward", "sampling", "between", "after")
 
@@ -43,6 +44,7 @@ class Step:
     start: float  # s, perf_counter
     forward_ms: float
     build_ms: float
+    wait_ms: float  # of forward_ms: waiting for the step before (0 where the log has none)
     tokens: int  # tokens computed (prefill rows + decode rows)
     decode_rows: int
     sample_ms: float
@@ -56,9 +58,9 @@ def steps_of(server_log: str) -> list[Step]:
         if m := _FORWARD.search(line):
             pending = m
         elif (m := _SAMPLED.search(line)) and pending is not None:
-            _, ones, tokens, fwd, build, start = pending.groups()
-            steps.append(Step(float(start), float(fwd), float(build), int(tokens), int(ones),
-                              float(m.group(1)), float(m.group(2))))
+            _, ones, tokens, fwd, build, wait, start = pending.groups()
+            steps.append(Step(float(start), float(fwd), float(build), float(wait or 0),
+                              int(tokens), int(ones), float(m.group(1)), float(m.group(2))))
             pending = None
     return steps
 

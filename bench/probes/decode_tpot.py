@@ -25,18 +25,15 @@ import argparse
 import json
 import logging
 import os
-import re
 import statistics
 import subprocess
 import sys
 import time
 from pathlib import Path
 
+from bench.ttft_breakdown import steps_of
+
 RUNS = ("vllm async", "vllm sync", "mlx-lm")
-_FORWARD = re.compile(r"step: 1 sequences \(1 of one token\).*; forward ([\d.]+) ms \(([\d.]+) ms "
-                      r"of it building the graph, ([\d.]+) ms waiting for the step before\) "
-                      r"from t=([\d.]+) s")
-_SAMPLED = re.compile(r"step: sampled 1 rows in ([\d.]+) ms, ending at t=([\d.]+) s \((.*)\)")
 
 
 def prompts(args: argparse.Namespace, vocab: int) -> list[list[int]]:
@@ -88,23 +85,20 @@ def run_vllm(model: str, args: argparse.Namespace, scheduling: str) -> dict:
 
 
 def decode_steps(log: str) -> dict:
-    """Medians over the decode steps of the runner's log (ms)."""
-    rows, last_end, forward = [], None, None
-    for line in log.splitlines():
-        if m := _FORWARD.search(line):
-            forward = m
-        elif (m := _SAMPLED.search(line)) and forward is not None:
-            total, build, wait, start = map(float, forward.groups())
-            rows.append({"forward": total, "build": build, "wait": wait,
-                         "sampling": float(m.group(1)),
-                         "between": None if last_end is None else 1e3 * (start - last_end),
-                         "how": m.group(3)})
-            last_end, forward = float(m.group(2)), None
+    """Medians over the one-row decode steps of the runner's log (ms; `between`: from the
+    step before's end)."""
+    steps = steps_of(log)
+    rows = [(before, s) for before, s in zip(steps, steps[1:])
+            if s.tokens == 1 and s.decode_rows == 1]
     if not rows:
         return {}
-    out = {k: statistics.median(r[k] for r in rows if r[k] is not None)
-           for k in ("forward", "build", "wait", "sampling", "between")}
-    return {**out, "decode_steps": len(rows), "sampled": sorted({r["how"] for r in rows})}
+    median = statistics.median
+    return {"forward": median(s.forward_ms for _, s in rows),
+            "build": median(s.build_ms for _, s in rows),
+            "wait": median(s.wait_ms for _, s in rows),
+            "sampling": median(s.sample_ms for _, s in rows),
+            "between": median(1e3 * (s.start - b.end) for b, s in rows),
+            "decode_steps": len(rows)}
 
 
 def run_mlx_lm(model: str, args: argparse.Namespace) -> dict:
