@@ -240,7 +240,8 @@ class VllmModelRunner:
         source = np.full(meta.num_tokens, -1, dtype=np.int32)  # row of `running.tokens`, or -1
         for s, r in enumerate(meta.req_ids):
             state = plan.requests[r]
-            position = len(state.token_ids) - 1  # the pending token's, when there is one
+            # the pending token's position, when there is one
+            position = len(state.prompt_token_ids) + len(state.output_token_ids)
             first, end = attn.cu_seqlens_q_host[s:s + 2]  # the sequence's rows
             if state.pending and 0 <= position - attn.context_lens_host[s] < end - first:
                 source[first + position - attn.context_lens_host[s]] = row_of[r]
@@ -288,10 +289,10 @@ class VllmModelRunner:
         why = "a grammar bitmask" if grammar else next(
             (w for r in sample_ids if (w := needs_sampler(self.requests[r].params))), None)
         if why is None:
-            self._log_once("argmax on the device, returned before the step has run (every row "
-                           "greedy, nothing changing its logits, no logprobs)")
+            self._log_once("argmax on the device", ", returned before the step has run (every "
+                           "row greedy, nothing changing its logits, no logprobs)")
             return self._sample_on_device(plan, logits, prompt_done, start)
-        self._log_once(f"vLLM's Sampler (first for a row's {why})")
+        self._log_once("vLLM's Sampler", f" (first for a row's {why})")
         mx.eval(logits, self.runner.cache_arrays())  # the step's one host sync
         sampled: dict[str, int] = {}
         logprobs = None
@@ -326,11 +327,11 @@ class VllmModelRunner:
                      1e3 * (self._last_step_end - start), self._last_step_end)
         return self._running
 
-    def _log_once(self, way: str) -> None:
-        kind = way.split(" (")[0]
-        if kind not in self._logged_sampling:
-            self._logged_sampling.add(kind)
-            logger.info("paged_prefix sampling: %s", way)
+    def _log_once(self, way: str, why: str) -> None:
+        """The sampling `way` (`why` follows it in the line), the first time it runs."""
+        if way not in self._logged_sampling:
+            self._logged_sampling.add(way)
+            logger.info("paged_prefix sampling: %s%s", way, why)
 
     def _log_forward(self, meta: BatchMetadata, start: float, built: float,
                      waited: float) -> None:

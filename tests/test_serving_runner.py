@@ -351,6 +351,7 @@ def test_debug_log_says_where_each_steps_time_goes(caplog):
     # what bench/ttft_breakdown.py reads off a server's log: two timed steps, in order
     steps = ttft_breakdown.steps_of("\n".join(lines))
     assert [(s.tokens, s.decode_rows) for s in steps] == [(20, 0), (1, 1)]
+    assert steps[0].wait_ms == 0.0  # nothing ran before the first step
     assert steps[0].start < steps[0].end <= steps[1].start < steps[1].end
 
 
