@@ -49,7 +49,8 @@ def main(model: str, caching: str, scheduling: str) -> None:
     plain = SamplingParams(temperature=0.0, max_tokens=GREEDY_TOKENS, ignore_eos=True)
     on_device = [list(o.outputs[0].token_ids)
                  for o in llm.generate(prompts, plain, use_tqdm=False)]
-    runner = llm.llm_engine.engine_core.engine_core.model_executor.driver_worker.worker.runner
+    worker = llm.llm_engine.engine_core.engine_core.model_executor.driver_worker.worker
+    runner = worker.runner
     seeded = [list(llm.generate([prompts[0]], SamplingParams(
         temperature=0.8, top_p=0.9, max_tokens=GREEDY_TOKENS, seed=seed),
         use_tqdm=False)[0].outputs[0].token_ids) for seed in SEEDS]
@@ -58,11 +59,19 @@ def main(model: str, caching: str, scheduling: str) -> None:
                                                     seed=0, logprobs=LOGPROBS), use_tqdm=False)
     hot_logprobs = {str(t): lp.logprob for t, lp in hot[0].outputs[0].logprobs[0].items()}
     scheduling = llm.llm_engine.vllm_config.scheduler_config.async_scheduling
+    import mlx.core as mx
+
+    cached_at_end = mx.get_cache_memory()
+    cache_limit = mx.set_cache_limit(0)  # MLX reads its limit back only as the one replaced
+    mx.set_cache_limit(cache_limit)
     llm.llm_engine.engine_core.shutdown()
     print("RESULT " + json.dumps({"passes": passes, "seeded": seeded,
                                  "hot_logprobs": hot_logprobs, "async_scheduling": scheduling,
                                  "on_device": on_device,
-                                 "steps_sampled_on_device": runner.steps_sampled_on_device}))
+                                 "steps_sampled_on_device": runner.steps_sampled_on_device,
+                                 "mlx_cache_limit": cache_limit,
+                                 "activation_bytes": worker._activation_bytes(),
+                                 "cached_at_end": cached_at_end}))
 
 
 if __name__ == "__main__":

@@ -81,6 +81,15 @@ def test_greedy_rows_sampled_on_the_device_give_the_samplers_tokens(runs):
         assert run["steps_sampled_on_device"] >= GREEDY_TOKENS
 
 
+def test_the_worker_bounds_mlxs_buffer_cache_by_one_forwards_activations(runs):
+    """The served engine keeps at most the measured activation peak of freed buffers (MLX's
+    own limit, 95% of a CUDA device, let the cache grow until long prompts ran out of memory),
+    also with --kv-cache-memory-bytes, and its cache was within it when the passes ended."""
+    for run in runs.values():
+        assert run["mlx_cache_limit"] == run["activation_bytes"] > 0
+        assert run["cached_at_end"] <= run["mlx_cache_limit"]
+
+
 def tokens(run: dict, pass_index: int) -> list[list[int]]:
     return [r["token_ids"] for r in run["passes"][pass_index]]
 

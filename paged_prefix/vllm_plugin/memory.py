@@ -15,6 +15,9 @@
 
 `--kv-cache-memory-bytes` replaces all of this, as in vLLM. The scheduler's own check then
 refuses a budget that cannot hold one sequence of `max_model_len` tokens.
+
+The activation peak also bounds MLX's buffer cache (`bound_buffer_cache`), whichever way the
+KV cache was sized.
 """
 
 from __future__ import annotations
@@ -80,6 +83,19 @@ def activation_peak(model: nn.Module, dispatcher: Dispatcher, num_tokens: int, b
     del runner, cache, states
     mx.clear_cache()
     return max(peak, 0)
+
+
+def bound_buffer_cache(activations: int) -> int:
+    """Let MLX keep at most `activations` bytes of freed buffers for reuse; returns the limit.
+
+    MLX hands a cached buffer only to a request of nearly its size (within two pages), and on
+    CUDA it lets the cache grow to 95% of the device. A server's steps differ in tokens almost
+    every time, so most freed activations are never reused: over long prompts on the H200 the
+    cache grew until steps slowed to seconds and cudaMallocAsync failed (docs/results.md, "H200:
+    long prompts"). One forward's activations are what a step of the same size reuses."""
+    limit = max(int(activations), 0)
+    mx.set_cache_limit(limit)
+    return limit
 
 
 @dataclass(frozen=True)

@@ -33,7 +33,7 @@ from ..kv_groups import LAYOUT, layer_specs
 from ..model_loader import load_model
 from ..vllm_runner import TORCH_TO_MLX, VllmModelRunner
 from . import mirror_vllm_logging
-from .memory import MiB, activation_peak, measure_budget, profile_tokens
+from .memory import MiB, activation_peak, bound_buffer_cache, measure_budget, profile_tokens
 
 logger = logging.getLogger(__name__)
 
@@ -61,6 +61,7 @@ class MLXWorker(WorkerBase):
                          is_driver_worker=is_driver_worker)
         self.runner: VllmModelRunner | None = None
         self._weights_bytes = 0
+        self._activations: int | None = None  # measured once: `_activation_bytes`
         mirror_vllm_logging()
 
     # -- device and model -----------------------------------------------------------------
@@ -147,10 +148,21 @@ class MLXWorker(WorkerBase):
         return int(budget * scale)
 
     def _budget(self) -> int:
+        activations = self._activation_bytes()
         if self.cache_config.kv_cache_memory_bytes:
             logger.info("paged_prefix worker: KV cache budget %.0f MiB (--kv-cache-memory-bytes)",
                         self.cache_config.kv_cache_memory_bytes / MiB)
             return int(self.cache_config.kv_cache_memory_bytes)
+        budget = measure_budget(self.cache_config.gpu_memory_utilization, self._weights_bytes,
+                                activations)
+        logger.info("paged_prefix worker: KV cache budget %s", budget.describe())
+        return budget.kv_cache_bytes
+
+    def _activation_bytes(self) -> int:
+        """MLX's peak over one forward of `max_num_batched_tokens` (`memory.activation_peak`),
+        measured once: it sizes the KV budget and bounds MLX's buffer cache."""
+        if self._activations is not None:
+            return self._activations
         spec = self._spec()
         full = self.scheduler_config.max_num_batched_tokens
         tokens = profile_tokens(full)
@@ -159,14 +171,11 @@ class MLXWorker(WorkerBase):
             kernel_block_size(spec.block_size)
         peak = activation_peak(self.runner.model, self.runner.dispatcher or Dispatcher(), tokens,
                                block, spec.num_kv_heads, spec.head_size, TORCH_TO_MLX[spec.dtype])
-        activations = peak * full // tokens
         if tokens != full:
             logger.info("paged_prefix worker: activation peak measured over %d tokens (%.1f MiB), "
                         "scaled to max_num_batched_tokens=%d", tokens, peak / MiB, full)
-        budget = measure_budget(self.cache_config.gpu_memory_utilization, self._weights_bytes,
-                                activations)
-        logger.info("paged_prefix worker: KV cache budget %s", budget.describe())
-        return budget.kv_cache_bytes
+        self._activations = peak * full // tokens
+        return self._activations
 
     def initialize_cache(self, num_gpu_blocks: int, num_cpu_blocks: int) -> None:
         self.cache_config.num_gpu_blocks = num_gpu_blocks
@@ -177,6 +186,9 @@ class MLXWorker(WorkerBase):
         cache = self.runner.runner.kv_cache
         logger.info("paged_prefix worker: KV cache %d blocks x %d tokens (%s), %.0f MiB",
                     cache.num_blocks, cache.block_size, cache.dtype, cache.nbytes / MiB)
+        limit = bound_buffer_cache(self._activation_bytes())
+        logger.info("paged_prefix worker: MLX keeps at most %.0f MiB of freed buffers for reuse "
+                    "(one forward's activation peak)", limit / MiB)
 
     def compile_or_warm_up_model(self) -> CompilationTimes:
         start = time.perf_counter()
