@@ -12,6 +12,7 @@ after the other:
 
   default  MLX's own cache limit (on CUDA, 95% of the device);
   bounded  the limit the worker sets: one forward's activation peak at the step budget.
+Both measure that peak first (one forward of --step-tokens), as the worker does.
 
 Per step: its time, tokens, decode rows, MLX's active and cached memory after it, and the
 device's free memory (CUDA, through torch). A case that fails records its error and the steps
@@ -64,12 +65,11 @@ def run_case(case: str, args: argparse.Namespace) -> dict:
                                  args.output_len + 16, max_num_seqs=64,
                                  max_num_batched_tokens=args.step_tokens))
     runner = engine.runner.runner
-    limit = None
-    if case == "bounded":
-        kv = runner.kv_cache
-        limit = bound_buffer_cache(activation_peak(
-            runner.model, runner.dispatcher, args.step_tokens, kv.block_size, kv.num_kv_heads,
-            kv.head_dim, kv.dtype))
+    kv = runner.kv_cache
+    # both cases measure the peak, as the worker does: the same warm-up before the first step
+    peak = activation_peak(runner.model, runner.dispatcher, args.step_tokens, kv.block_size,
+                           kv.num_kv_heads, kv.head_dim, kv.dtype)
+    limit = bound_buffer_cache(peak) if case == "bounded" else None
     todo = prompts(args, engine.vocab_size)
     steps, error, n, start = [], None, 0, time.perf_counter()
     try:
