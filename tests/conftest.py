@@ -40,6 +40,19 @@ KERNEL_PATHS = [
 ATTENTION_PATHS = ["reference", "sdpa", *KERNEL_PATHS]
 
 
+@pytest.fixture
+def gathered(monkeypatch) -> list[int]:
+    """The key count of every `reference.gather_kv` call (MLX's take of a sequence's pages)
+    made while the test runs."""
+    calls, gather_kv = [], reference.gather_kv
+
+    def spy(*args):
+        calls.append(args[3])
+        return gather_kv(*args)
+    monkeypatch.setattr(reference, "gather_kv", spy)
+    return calls
+
+
 def assert_close(out: mx.array, ref, dtype: mx.Dtype, what: str = "",
                  q_scale: float = 1.0) -> None:
     """Per-element check with the dtype's (atol, rtol); NaN or Inf never passes.

@@ -6,7 +6,6 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-import reference
 from jit_kernels import GatheredSdpa
 from jit_kernels.arrays import as_pages, as_rows
 from jit_kernels.geometry import HEADS_MAJOR_REASON, Geometry, unsupported_reason
@@ -81,7 +80,7 @@ def test_forwards_equal_token_major_bit_for_bit(dtype, monkeypatch):
 
 
 @pytest.mark.parametrize("dtype", DTYPES.values(), ids=DTYPES)
-def test_pages_in_a_few_runs_are_read_where_they_lie(dtype, monkeypatch):
+def test_pages_in_a_few_runs_are_read_where_they_lie(dtype, gathered):
     """On MLX's CPU route a heads-major sequence whose pages lie in a few runs of blocks, at
     least MIN_KEYS_PER_JOINED_RUN keys a run, attends over each run in place, one softmax over
     them all, and nothing is gathered; shorter runs are gathered. Against the float64 oracle,
@@ -91,10 +90,6 @@ def test_pages_in_a_few_runs_are_read_where_they_lie(dtype, monkeypatch):
     runs = {s: len(r) for s, r in page_runs(c.tables, c.lengths, range(6), 16).items()}
     assert (runs[0], runs[1], runs[4], runs[5]) == (3, 4, 1, 2) and runs[2] > 2
     assert 2 * route.MIN_KEYS_PER_JOINED_RUN > c.seq_lens[5]  # 62 keys in 2 runs
-    gathered = []
-    monkeypatch.setattr(reference, "gather_kv",
-                        lambda *a, gather_kv=reference.gather_kv: gathered.append(a[3])
-                        or gather_kv(*a))
     g = Geometry(8, 2, 64, 16, dtype, 0.125, heads_major=True)
     d = Dispatcher("auto", backends={})
     caches = [x.reshape(-1, 2, 64).transpose(1, 0, 2) for x in (c.k_cache, c.v_cache)]

@@ -54,7 +54,7 @@ def test_sdpa_path_equals_reference(dtype):
 
 
 @pytest.mark.parametrize("dtype", DTYPES.values(), ids=DTYPES.keys())
-def test_sdpa_path_reads_runs_of_pages_in_place(dtype, monkeypatch):
+def test_sdpa_path_reads_runs_of_pages_in_place(dtype, gathered):
     """A cached sequence whose pages are one run of consecutive blocks is read in place (a
     view of the cache, NaN blocks either side), the others gathered: the oracle's numbers from
     the stored form too, and on the CPU the reference's bit for bit (a GPU's SDPA may pick
@@ -63,10 +63,6 @@ def test_sdpa_path_reads_runs_of_pages_in_place(dtype, monkeypatch):
                   runs=[True, False, True, True, True])
     g = Geometry(8, 2, 64, 16, dtype, 0.125)
     d = Dispatcher("sdpa", backends={})
-    gathered = []
-    monkeypatch.setattr(reference, "gather_kv",
-                        lambda *a, gather_kv=reference.gather_kv: gathered.append(a[3])
-                        or gather_kv(*a))
     want = np.array(run_reference(c, 0.125).astype(mx.float32))
     gathered.clear()
     stored = [x.reshape(-1, 2, 64).view(mx.uint32) for x in (c.k_cache, c.v_cache)]
