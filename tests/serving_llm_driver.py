@@ -70,7 +70,7 @@ def main(model: str, caching: str, scheduling: str) -> None:
                                  "on_device": on_device,
                                  "steps_sampled_on_device": runner.steps_sampled_on_device,
                                  "mlx_cache_limit": cache_limit,
-                                 "activation_bytes": worker._activation_bytes(),
+                                 "activation_bytes": worker._activation_bytes,
                                  "cached_at_end": cached_at_end}))
 
 

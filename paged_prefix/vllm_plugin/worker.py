@@ -13,6 +13,7 @@ platform through `--worker-cls`.
 
 from __future__ import annotations
 
+import functools
 import logging
 import time
 
@@ -61,7 +62,6 @@ class MLXWorker(WorkerBase):
                          is_driver_worker=is_driver_worker)
         self.runner: VllmModelRunner | None = None
         self._weights_bytes = 0
-        self._activations: int | None = None  # measured once: `_activation_bytes`
         mirror_vllm_logging()
 
     # -- device and model -----------------------------------------------------------------
@@ -148,7 +148,7 @@ class MLXWorker(WorkerBase):
         return int(budget * scale)
 
     def _budget(self) -> int:
-        activations = self._activation_bytes()
+        activations = self._activation_bytes
         if self.cache_config.kv_cache_memory_bytes:
             logger.info("paged_prefix worker: KV cache budget %.0f MiB (--kv-cache-memory-bytes)",
                         self.cache_config.kv_cache_memory_bytes / MiB)
@@ -158,11 +158,10 @@ class MLXWorker(WorkerBase):
         logger.info("paged_prefix worker: KV cache budget %s", budget.describe())
         return budget.kv_cache_bytes
 
+    @functools.cached_property
     def _activation_bytes(self) -> int:
         """MLX's peak over one forward of `max_num_batched_tokens` (`memory.activation_peak`),
         measured once: it sizes the KV budget and bounds MLX's buffer cache."""
-        if self._activations is not None:
-            return self._activations
         spec = self._spec()
         full = self.scheduler_config.max_num_batched_tokens
         tokens = profile_tokens(full)
@@ -174,8 +173,7 @@ class MLXWorker(WorkerBase):
         if tokens != full:
             logger.info("paged_prefix worker: activation peak measured over %d tokens (%.1f MiB), "
                         "scaled to max_num_batched_tokens=%d", tokens, peak / MiB, full)
-        self._activations = peak * full // tokens
-        return self._activations
+        return peak * full // tokens
 
     def initialize_cache(self, num_gpu_blocks: int, num_cpu_blocks: int) -> None:
         self.cache_config.num_gpu_blocks = num_gpu_blocks
@@ -186,7 +184,7 @@ class MLXWorker(WorkerBase):
         cache = self.runner.runner.kv_cache
         logger.info("paged_prefix worker: KV cache %d blocks x %d tokens (%s), %.0f MiB",
                     cache.num_blocks, cache.block_size, cache.dtype, cache.nbytes / MiB)
-        limit = bound_buffer_cache(self._activation_bytes())
+        limit = bound_buffer_cache(self._activation_bytes)
         logger.info("paged_prefix worker: MLX keeps at most %.0f MiB of freed buffers for reuse "
                     "(one forward's activation peak)", limit / MiB)
 
