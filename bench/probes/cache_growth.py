@@ -24,11 +24,12 @@ from __future__ import annotations
 
 import argparse
 import json
-import subprocess
 import sys
 import time
 import traceback
 from pathlib import Path
+
+from bench.probes import child
 
 CASES = ("default", "bounded")
 GiB = 1 << 30
@@ -130,16 +131,14 @@ def main() -> None:
     parser.add_argument("--out", default="cache_growth.json")
     args = parser.parse_args()
     if args.case:
-        print("RESULT " + json.dumps(run_case(args.case, args)), flush=True)
+        child.report(run_case(args.case, args))
         return
     results = []
     for case in CASES:
-        proc = subprocess.run([sys.executable, "-m", "bench.probes.cache_growth", "--case", case,
-                               *sys.argv[1:]], capture_output=True, text=True)
-        lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
-        result = json.loads(lines[-1][7:]) if lines else {
-            "case": case, "cache_limit_GiB": None, "seconds": 0.0, "steps": [], "peak_GiB": 0.0,
-            "error": f"exit {proc.returncode}: {proc.stderr[-2000:]}"}
+        result, proc = child.run("bench.probes.cache_growth", ["--case", case, *sys.argv[1:]])
+        if result is None:
+            result = {"case": case, "cache_limit_GiB": None, "seconds": 0.0, "steps": [],
+                      "peak_GiB": 0.0, "error": f"exit {proc.returncode}: {proc.stderr[-2000:]}"}
         results.append(result)
         print(json.dumps(summary(result)), flush=True)
     Path(args.out).write_text(json.dumps(results))

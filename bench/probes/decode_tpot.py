@@ -26,11 +26,11 @@ import json
 import logging
 import os
 import statistics
-import subprocess
 import sys
 import time
 from pathlib import Path
 
+from bench.probes import child
 from bench.ttft_breakdown import steps_of
 
 RUNS = ("vllm async", "vllm sync", "mlx-lm")
@@ -135,7 +135,7 @@ def main(argv=None) -> int:
     if args.one:
         result = run_mlx_lm(args.model_dir, args) if args.one == "mlx-lm" else \
             run_vllm(args.model_dir, args, args.one.split()[1])
-        print("RESULT " + json.dumps(result))
+        child.report(result)
         return 0
     from bench.serve_bench import resolve_model
 
@@ -143,14 +143,12 @@ def main(argv=None) -> int:
                                              tokenizer=args.tokenizer, dtype=None))
     results = {}
     for run in RUNS:
-        child = subprocess.run([sys.executable, "-m", "bench.probes.decode_tpot", "--one", run,
-                                "--model-dir", model, *(argv or sys.argv[1:])],
-                               capture_output=True, text=True)
-        line = [x for x in child.stdout.splitlines() if x.startswith("RESULT ")]
-        if child.returncode or not line:
-            print(child.stderr[-3000:], file=sys.stderr)
-            raise SystemExit(f"{run}: the run failed (exit {child.returncode})")
-        results[run] = json.loads(line[-1][len("RESULT "):])
+        result, proc = child.run("bench.probes.decode_tpot", ["--one", run, "--model-dir", model,
+                                                              *(argv or sys.argv[1:])])
+        if proc.returncode or result is None:
+            print(proc.stderr[-3000:], file=sys.stderr)
+            raise SystemExit(f"{run}: the run failed (exit {proc.returncode})")
+        results[run] = result
         median = statistics.median(results[run]["tpot_ms"])
         print(f"{run:<11} TPOT p50 {median:6.2f} ms  {results[run].get('steps', '')}", flush=True)
     base = statistics.median(results["mlx-lm"]["tpot_ms"])
