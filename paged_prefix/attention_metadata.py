@@ -34,23 +34,23 @@ from .validate import MAX_INT32, as_int, as_ints, frozen
 class AttentionMetadata:
     """What paged attention needs for one forward (the contract of `reference.contract`).
 
-    Device arrays (int32):
-      block_tables [S, max_blocks]: row s lists the KV blocks of sequence s in order;
-                                    entries past ceil(seq_lens[s] / block_size) are 0.
-      seq_lens     [S]: cached + new tokens per sequence.
-      context_lens [S]: tokens already in the cache when this forward starts.
-      cu_seqlens_q [S + 1]: prefix sums of the new-token counts.
-    Host mirrors (`*_host`, read-only numpy) carry the same values; `live_from_host` [S] is the
-    first table entry a forward reads (the block of `key_start` under `window`, else 0).
+    block_tables [S, max_blocks] int32, on the device: row s lists the KV blocks of sequence
+    s in order; entries past ceil(seq_lens[s] / block_size) are 0 (host mirror
+    `block_tables_host`). Host arrays (read-only numpy):
+      seq_lens_host     [S]: cached + new tokens per sequence.
+      context_lens_host [S]: tokens already in the cache when this forward starts.
+      cu_seqlens_q_host [S + 1]: prefix sums of the new-token counts.
+      live_from_host    [S]: the first table entry a forward reads (the block of `key_start`
+                        under `window`, else 0).
+    The lengths reach the kernels as their plans' work lists, planned on the host: only the
+    table is copied to the device (each host-written array costs a step's host time, and on a
+    CUDA GPU a page migration when first read).
     """
 
     block_size: int
     num_blocks: int
     window: int | None  # the sliding window the tables were checked for (None: full)
     block_tables: mx.array
-    seq_lens: mx.array
-    context_lens: mx.array
-    cu_seqlens_q: mx.array
     block_tables_host: np.ndarray
     seq_lens_host: np.ndarray
     context_lens_host: np.ndarray
@@ -159,9 +159,6 @@ def attention_metadata_and_shared_reads(q_lens, context_lens, block_tables, bloc
         window=window,
         live_from_host=frozen(first.astype(np.int32)),
         block_tables=device_array(host["block_tables_host"]),
-        seq_lens=device_array(host["seq_lens_host"]),
-        context_lens=device_array(host["context_lens_host"]),
-        cu_seqlens_q=device_array(host["cu_seqlens_q_host"]),
         lengths=Lengths.of(cu, seq),
         **host,
     )
@@ -177,6 +174,8 @@ def _shared_reads(table: np.ndarray, first: np.ndarray, ctx: np.ndarray, seq: np
     same tokens), since every layer writes its K/V before it reads. Two sequences writing one
     block, or a block read at another position than it is written, is refused. Only entries
     from `first` on are read."""
+    if len(seq) == 1:  # between sequences only (a block twice in one table is refused apart)
+        return np.zeros((0, 3), dtype=np.int64)
     w_seq, w_idx = _live(ctx // block_size, seq, block_size, table.shape[1])
     written = table[w_seq, w_idx]
     order, twice = repeat_order(written)

@@ -11,7 +11,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
-MAX_INT32, MAX_INT64 = 2**31 - 1, 2**63 - 1
+MAX_INT32, MAX_INT64, MIN_INT64 = 2**31 - 1, 2**63 - 1, -2**63
 _BOOLS = {bool, np.bool_}
 
 
@@ -51,20 +51,18 @@ def as_ints(values: Sequence[int] | np.ndarray, field: str, low: int | None = No
     if arr.dtype.kind == "O":  # Python ints past int64, or mixed objects
         bad = next(v for v in arr.tolist()
                    if isinstance(v, bool) or not isinstance(v, numbers.Integral)
-                   or not -MAX_INT64 - 1 <= v <= MAX_INT64)
+                   or not MIN_INT64 <= v <= MAX_INT64)
         raise ValueError(f"{_bounds(field, low, high)}, got {bad!r}")
     if arr.dtype.kind not in "iu":
         raise ValueError(f"{field}: expected integers, got {arr.dtype} values such as "
                          f"{arr.ravel()[0]!r}")
     if arr.dtype == np.uint64 and arr.max() > MAX_INT64:
         raise ValueError(f"{_bounds(field, low, high)}, got {arr.max()}")
-    arr = arr.astype(np.int64)
-    out_of_range = np.zeros(arr.shape, dtype=bool)
-    if low is not None:
-        out_of_range |= arr < low
-    if high is not None:
-        out_of_range |= arr > high
-    if out_of_range.any():
+    arr = arr.astype(np.int64, copy=arr is values)  # the caller's array is never handed back
+    # two reductions: every step checks its ids here, most of them a handful
+    if (low is not None and arr.min() < low) or (high is not None and arr.max() > high):
+        out_of_range = (arr < (MIN_INT64 if low is None else low)) | \
+            (arr > (MAX_INT64 if high is None else high))
         raise ValueError(f"{_bounds(field, low, high)}, got {arr[out_of_range][:5].tolist()}")
     return arr
 
