@@ -19,6 +19,8 @@ visible key on (`reference.key_start` of the tokens it has computed).
 from __future__ import annotations
 
 import dataclasses
+import itertools
+import operator
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
@@ -39,6 +41,50 @@ from .vllm_sampling import make_generator, token_id_options, unsupported_reason
 PENDING_TOKEN = 0
 
 
+class TokenIds(Sequence):
+    """A request's known tokens read in place: the prompt, the outputs, then PENDING_TOKEN for
+    each pending one. A step slices out only what it schedules (one token a decode step), so
+    no step copies a request's whole context."""
+
+    __slots__ = ("_prompt", "_output", "_pending")
+
+    def __init__(self, prompt: tuple[int, ...], output: tuple[int, ...], pending: int):
+        self._prompt, self._output, self._pending = prompt, output, pending
+
+    def __len__(self) -> int:
+        return len(self._prompt) + len(self._output) + self._pending
+
+    def __iter__(self):
+        return itertools.chain(self._prompt, self._output, (PENDING_TOKEN,) * self._pending)
+
+    def __getitem__(self, index):
+        if isinstance(index, slice):
+            start, stop, stride = index.indices(len(self))
+            if stride != 1:
+                return list(self)[index]
+            p = len(self._prompt)
+            pending = max(0, stop - max(start, p + len(self._output)))
+            return [*self._prompt[start:stop], *self._output[max(start - p, 0):max(stop - p, 0)],
+                    *(PENDING_TOKEN,) * pending]
+        i = operator.index(index)
+        if not -len(self) <= i < len(self):
+            raise IndexError(f"token index {i} out of range for {len(self)} tokens")
+        i %= len(self)
+        for part in (self._prompt, self._output):
+            if i < len(part):
+                return part[i]
+            i -= len(part)
+        return PENDING_TOKEN
+
+    def __eq__(self, other) -> bool:
+        if isinstance(other, (TokenIds, list, tuple)):
+            return len(self) == len(other) and all(a == b for a, b in zip(self, other))
+        return NotImplemented
+
+    def __repr__(self) -> str:
+        return f"TokenIds({list(self)!r})"
+
+
 @dataclass(frozen=True)
 class RequestState:
     prompt_token_ids: tuple[int, ...]
@@ -55,8 +101,8 @@ class RequestState:
     pending: int = 0
 
     @property
-    def token_ids(self) -> list[int]:
-        return [*self.prompt_token_ids, *self.output_token_ids, *(PENDING_TOKEN,) * self.pending]
+    def token_ids(self) -> TokenIds:
+        return TokenIds(self.prompt_token_ids, self.output_token_ids, self.pending)
 
 
 @dataclass(frozen=True)

@@ -10,6 +10,7 @@ import pytest
 from paged_prefix.requests import (
     PENDING_TOKEN,
     Limits,
+    TokenIds,
     admit,
     plan_step,
     with_pending,
@@ -124,6 +125,26 @@ def test_a_token_sampled_on_the_device_is_planned_as_pending_then_read():
                      all_token_ids={"a": [*PROMPT, 9]})
     state = run(preempting.requests, step({"a": 25}, cached_reqs=resumed)).requests["a"]
     assert state.pending == 0 and state.output_token_ids == (9,)
+
+
+@pytest.mark.parametrize("prompt,output,pending", [((3, 4, 5), (6, 7), 1), ((3, 4), (), 0),
+                                                   ((3,), (6,), 0), ((3, 4), (), 1)])
+def test_token_ids_read_in_place_as_the_list_they_stand_for(prompt, output, pending):
+    """A request's token ids are read where they are kept (a step slices out what it
+    schedules): every index and slice gives what the whole list gives."""
+    ids, want = TokenIds(prompt, output, pending), [*prompt, *output, *(PENDING_TOKEN,) * pending]
+    assert len(ids) == len(want) and list(ids) == want and ids == want and ids == tuple(want)
+    n = len(want)
+    for i in range(-n - 2, n + 2):
+        if -n <= i < n:
+            assert ids[i] == want[i]
+        else:
+            with pytest.raises(IndexError):
+                ids[i]
+        for j in range(-n - 2, n + 2):
+            for stride in (None, 2, -1):
+                assert ids[i:j:stride] == want[i:j:stride], (i, j, stride)
+    assert ids != [*want, 1] and ids != want[:-1]
 
 
 def test_more_sampling_rows_than_the_limit_are_refused():
