@@ -247,9 +247,17 @@ class VllmModelRunner:
                 source[first + position - attn.context_lens_host[s]] = row_of[r]
         if (source < 0).all():
             return meta
-        read = mx.take(running.tokens, mx.array(np.maximum(source, 0)))
-        return dataclasses.replace(meta, input_ids=mx.where(
-            mx.array(source >= 0), read.astype(meta.input_ids.dtype), meta.input_ids))
+        if np.array_equal(source, np.arange(len(running.tokens))):
+            # every row the token sampled for it, in the same order (a decode step of the
+            # same requests): the tokens themselves, with no host-written index or mask
+            read = running.tokens
+        else:
+            read = mx.take(running.tokens, mx.array(np.maximum(source, 0)))
+        read = read.astype(meta.input_ids.dtype)
+        if (source >= 0).all():
+            return dataclasses.replace(meta, input_ids=read)
+        return dataclasses.replace(meta, input_ids=mx.where(mx.array(source >= 0), read,
+                                                            meta.input_ids))
 
     def _read(self, requests: dict[str, RequestState]) -> dict[str, RequestState]:
         """`requests` with the running step's sampled tokens read (waiting for it)."""

@@ -355,6 +355,36 @@ def test_debug_log_says_where_each_steps_time_goes(caplog):
     assert steps[0].start < steps[0].end <= steps[1].start < steps[1].end
 
 
+def test_pending_tokens_are_read_on_the_device_in_any_row_order():
+    """The next forward reads each pending token from the device, whether the step lists its
+    requests in the order they were sampled (the tokens as they are), in another order (taken
+    by row), or beside a new request's prompt rows (the host's ids kept there): the tokens are
+    those of a runner whose every step goes through vLLM's Sampler, on the host."""
+    prompts = {"a": list(range(3, 23)), "b": list(range(40, 52)), "c": list(range(60, 70))}
+    steps = [
+        step({"a": 20, "b": 12}, [new("a", prompts["a"], ([1, 2],)),
+                                  new("b", prompts["b"], ([3],))]),
+        step({"b": 1, "a": 1, "c": 10}, [new("c", prompts["c"], ([4],))],
+             cached(["b", "a"], [None, None], [12, 20])),
+        step({"a": 1, "b": 1, "c": 1}, cached_reqs=cached(["a", "b", "c"], [None] * 3,
+                                                          [21, 13, 10])),
+        step({"a": 1, "b": 1, "c": 1}, cached_reqs=cached(["a", "b", "c"], [None] * 3,
+                                                          [22, 14, 11])),
+    ]
+    on_device, on_host = make_runner(), make_runner()
+    on_host_steps = [step({"a": 20, "b": 12}, [new("a", prompts["a"], ([1, 2],)),
+                                               new("b", prompts["b"], ([3],), logprobs=1)]),
+                     *steps[1:]]
+    for so, host_so in zip(steps, on_host_steps):
+        on_device.run_forward(so)
+        assert isinstance(on_device.sample_tokens(None), SampledOnDevice)
+        on_host.execute_model(host_so)
+    assert on_device.steps_sampled_on_device == 4 and on_host.steps_sampled_on_device == 0
+    read = on_device._read(on_device.requests)  # with the last step's tokens
+    assert {r: s.output_token_ids for r, s in read.items()} == \
+        {r: s.output_token_ids for r, s in on_host.requests.items()}
+
+
 def test_greedy_steps_sample_on_the_device_others_through_vllms_sampler(caplog):
     """A step where no row `needs_sampler` returns vLLM's AsyncModelRunnerOutput at once,
     its tokens left on the device, where the next forward reads them (the host's list holds a
