@@ -64,34 +64,43 @@ class StackedLinear:
     """
 
     def __init__(self) -> None:
-        self._views: tuple[mx.array, ...] = ()  # what the layers held when last stacked
+        self._views: tuple[mx.array | None, ...] = ()  # what the layers held when last stacked
         self._w_t: mx.array | None = None
         self._bias: mx.array | None = None
         self._cuts: list[int] = []
 
     def __call__(self, x: mx.array, *layers: nn.Module) -> list[mx.array]:
-        biased = ["bias" in layer for layer in layers]
-        if any(type(layer) not in (nn.Linear, PackedLinear) for layer in layers) or \
-                len(set(biased)) > 1 or len({layer["weight"].dtype for layer in layers}) > 1:
-            return [layer(x) for layer in layers]
-        self._stack(layers, biased[0])
+        if not self._stacked(layers):  # every forward after the first: the check alone
+            biased = ["bias" in layer for layer in layers]
+            if any(type(layer) not in (nn.Linear, PackedLinear) for layer in layers) or \
+                    len(set(biased)) > 1 or len({layer["weight"].dtype for layer in layers}) > 1:
+                return [layer(x) for layer in layers]
+            self._stack(layers, biased[0])
         y = x @ self._w_t if self._bias is None else mx.addmm(self._bias, x, self._w_t)
         return mx.split(y, self._cuts, axis=-1)
 
+    def _stacked(self, layers: tuple[nn.Module, ...]) -> bool:
+        """Whether the layers hold what they held when last stacked (nothing replaced, no
+        bias added or dropped)."""
+        held = _held(layers)
+        return len(held) == len(self._views) and all(a is b for a, b in zip(held, self._views))
+
     def _stack(self, layers: tuple[nn.Module, ...], biased: bool) -> None:
         names = ("weight", "bias") if biased else ("weight",)
-        held = tuple(layer[name] for layer in layers for name in names)
-        if len(held) == len(self._views) and all(a is b for a, b in zip(held, self._views)):
-            return
         self._cuts = np.cumsum([layer["weight"].shape[0] for layer in layers[:-1]]).tolist()
         stacks = {name: mx.concatenate([layer[name] for layer in layers]) for name in names}
         for name in names:
             for layer, part in zip(layers, mx.split(stacks[name], self._cuts)):
                 setattr(layer, name, part)
-        self._views = tuple(layer[name] for layer in layers for name in names)
+        self._views = _held(layers)
         # evaluated now, so the layers' old arrays can go and the weights are held once
-        mx.eval(list(stacks.values()), self._views)
+        mx.eval(list(stacks.values()), [v for v in self._views if v is not None])
         self._w_t, self._bias = stacks["weight"].T, stacks.get("bias")
+
+
+def _held(layers: tuple[nn.Module, ...]) -> tuple[mx.array | None, ...]:
+    """Each layer's weight and bias (None without one), as `StackedLinear` compares them."""
+    return tuple(layer.get(name) for layer in layers for name in ("weight", "bias"))
 
 
 def pack_linears(module: nn.Module) -> int:

@@ -111,6 +111,11 @@ def test_a_replaced_weight_is_stacked_again():
     got = stacked(x, *layers)
     for g, layer in zip(got, layers):
         np.testing.assert_array_equal(np.array(g), np.array(layer(x)))
+    for layer in layers:  # a bias given to every layer later: stacked with it
+        layer.bias = mx.full((layer.weight.shape[0],), 0.5)
+    got = stacked(x, *layers)
+    for g, layer in zip(got, layers):
+        np.testing.assert_array_equal(np.array(g), np.array(layer(x)))
 
 
 def test_quantized_layers_are_called_one_by_one():
@@ -148,5 +153,6 @@ def test_the_runner_stacks_qkv_and_gate_up():
         assert isinstance(mlp, PackedMLP) and isinstance(attn.o_proj, PackedLinear)
         for stacked, layers in ((attn._qkv, (attn.q_proj, attn.k_proj, attn.v_proj)),
                                 (mlp._gate_up, (mlp.gate_proj, mlp.up_proj))):
-            assert len(stacked._views) == len(layers)
-            assert all(view is layer.weight for view, layer in zip(stacked._views, layers))
+            held = [a for layer in layers for a in (layer.weight, layer.get("bias"))]
+            assert len(stacked._views) == len(held)
+            assert all(view is a for view, a in zip(stacked._views, held))
