@@ -16,6 +16,7 @@ Every inconsistency is a ValueError naming the field, raised before anything is 
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Sequence
 from dataclasses import dataclass
 from functools import cached_property
@@ -128,21 +129,8 @@ def attention_metadata_and_shared_reads(q_lens, context_lens, block_tables, bloc
     seq = ctx + q
     if seq.max() > MAX_INT32:
         raise ValueError("seq_lens: a sequence longer than 2**31 - 1 tokens does not fit int32")
-    rows = [as_ints(row, f"{field}[{s}]", low=0, high=num_blocks - 1)
-            for s, row in enumerate(block_tables)]
     first = key_start(ctx, window) // block_size
-    table = np.zeros((len(q), max(max(len(r) for r in rows), 1)), dtype=np.int32)
-    for s, row in enumerate(rows):
-        needed = -(-int(seq[s]) // block_size)
-        if len(row) < needed:
-            raise ValueError(
-                f"{field}: sequence {s} holds {seq[s]} tokens and needs {needed} blocks "
-                f"of {block_size}, but its table has {len(row)}")
-        live = row[first[s]:needed]
-        if len(np.unique(live)) != len(live):
-            raise ValueError(f"{field}: sequence {s} names a block twice among the blocks "
-                             f"{first[s]} .. {needed - 1} it reads: {live.tolist()}")
-        table[s, :needed] = row[:needed]
+    table = _block_table(block_tables, seq, first, block_size, num_blocks, field)
     cu = np.concatenate([[0], np.cumsum(q)])
     if cu[-1] > MAX_INT32:
         raise ValueError("cu_seqlens_q: more than 2**31 - 1 new tokens in one forward")
@@ -163,6 +151,42 @@ def attention_metadata_and_shared_reads(q_lens, context_lens, block_tables, bloc
         **host,
     )
     return meta, shared
+
+
+def _block_table(block_tables, seq: np.ndarray, first: np.ndarray, block_size: int,
+                 num_blocks: int, field: str) -> np.ndarray:
+    """The sequences' tables as one int32 [S, max_blocks] array, entries past a sequence's
+    blocks 0: every id a block of the pool, enough of them for its tokens, none named twice
+    among those it reads or writes (from `first` on). The batch's ids are bounded in one
+    pass (a decode step's batch would be as many short checks, each costing more than its
+    ids), then a bad one is named by its row; repeats are found per row with a set."""
+    high = num_blocks - 1
+    try:
+        if not all(isinstance(row, (Sequence, np.ndarray)) for row in block_tables):
+            raise TypeError("a row that is no list of ids")  # named below, as as_ints names it
+        lens = np.array([len(row) for row in block_tables], dtype=np.int64)
+        flat = as_ints(list(itertools.chain.from_iterable(block_tables)), field, low=0,
+                       high=high)
+    except (TypeError, ValueError):
+        for s, row in enumerate(block_tables):
+            as_ints(row, f"{field}[{s}]", low=0, high=high)
+        raise
+    needed = -(-seq // block_size)
+    start = np.cumsum(lens) - lens  # row s is flat[start[s]:start[s] + lens[s]]
+    for s, (b, length, a, n) in enumerate(zip(start.tolist(), lens.tolist(), first.tolist(),
+                                              needed.tolist())):
+        if length < n:
+            raise ValueError(f"{field}: sequence {s} holds {seq[s]} tokens and needs {n} "
+                             f"blocks of {block_size}, but its table has {length}")
+        live = flat[b + a:b + n].tolist()
+        if len(set(live)) != len(live):
+            raise ValueError(f"{field}: sequence {s} names a block twice among the blocks "
+                             f"{a} .. {n - 1} it reads: {live}")
+    entries = np.arange(max(int(lens.max()), 1))
+    table = np.zeros((len(seq), len(entries)), dtype=np.int32)
+    table[entries < lens[:, None]] = flat  # row by row, as flat holds them
+    table[entries >= needed[:, None]] = 0
+    return table
 
 
 def _shared_reads(table: np.ndarray, first: np.ndarray, ctx: np.ndarray, seq: np.ndarray,

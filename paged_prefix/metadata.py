@@ -11,6 +11,7 @@ Every inconsistency is a ValueError naming the field, raised before anything is 
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -111,8 +112,9 @@ class BatchMetadata:
         return self.groups[0]
 
 
-def _check_request(r: ScheduledRequest, vocab_size: int | None) -> np.ndarray:
-    """Validate one request; returns its scheduled token ids (int64)."""
+def _check_request(r: ScheduledRequest) -> Sequence:
+    """Validate one request's counts; returns its scheduled token ids, unchecked (the batch's
+    are checked together: `_token_ids`)."""
     if not isinstance(r.req_id, str) or not r.req_id:
         raise ValueError(f"req_id: expected a non-empty str, got {r.req_id!r}")
     if not isinstance(r.token_ids, (Sequence, np.ndarray)) or isinstance(r.token_ids, str):
@@ -128,10 +130,21 @@ def _check_request(r: ScheduledRequest, vocab_size: int | None) -> np.ndarray:
         raise ValueError(f"num_scheduled_tokens: {r.req_id!r} schedules tokens up to "
                          f"{computed + scheduled} but only {known} are known")
     as_int(r.num_prompt_tokens, f"num_prompt_tokens ({r.req_id!r})", low=1, high=known)
-    # the ids travel as int32: without a vocabulary, that is their bound
-    high = MAX_INT32 if vocab_size is None else vocab_size - 1
-    return as_ints(list(r.token_ids[computed:computed + scheduled]),
-                   f"token_ids ({r.req_id!r})", low=0, high=high)
+    return r.token_ids[computed:computed + scheduled]
+
+
+def _token_ids(requests: Sequence[ScheduledRequest], scheduled: list[Sequence],
+               vocab_size: int | None) -> np.ndarray:
+    """Every request's scheduled token ids, packed as int64 and checked in one pass; a bad
+    one is then named by its request."""
+    high = MAX_INT32 if vocab_size is None else vocab_size - 1  # without one: int32 transport
+    try:
+        return as_ints(list(itertools.chain.from_iterable(scheduled)), "token_ids", low=0,
+                       high=high)
+    except ValueError:
+        for r, ids in zip(requests, scheduled):
+            as_ints(list(ids), f"token_ids ({r.req_id!r})", low=0, high=high)
+        raise
 
 
 def _group_block_ids(r: ScheduledRequest, num_groups: int) -> tuple:
@@ -164,7 +177,7 @@ def build_batch_metadata(
     windows = tuple(windows)
     if not windows:
         raise ValueError("windows: a model has at least one KV-cache group")
-    input_ids = [_check_request(r, vocab_size) for r in requests]
+    scheduled = [_check_request(r) for r in requests]
     block_ids = [_group_block_ids(r, len(windows)) for r in requests]
     q_lens = [r.num_scheduled_tokens for r in requests]
     context_lens = [r.num_computed_tokens for r in requests]
@@ -179,7 +192,7 @@ def build_batch_metadata(
     attn = groups[0]
     cu, ctx = attn.cu_seqlens_q_host, attn.context_lens_host
     pos = np.concatenate([np.arange(c, c + q) for c, q in zip(ctx, attn.q_lens_host)])
-    ids = frozen(np.concatenate(input_ids).astype(np.int32))
+    ids = frozen(_token_ids(requests, scheduled, vocab_size).astype(np.int32))
     samples = [(int(cu[s + 1]) - 1, r.req_id) for s, r in enumerate(requests)
                if int(attn.seq_lens_host[s]) == len(r.token_ids)]
     return BatchMetadata(

@@ -26,9 +26,10 @@ def _bounds(field: str, low: int | None, high: int | None) -> str:
 
 
 def as_int(value, field: str, low: int | None = None, high: int | None = None) -> int:
-    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
-        raise ValueError(f"{field}: expected an int, got {value!r} ({type(value).__name__})")
-    value = int(value)
+    if type(value) is not int:  # a plain int (never a bool) skips the slower checks
+        if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+            raise ValueError(f"{field}: expected an int, got {value!r} ({type(value).__name__})")
+        value = int(value)
     if (low is not None and value < low) or (high is not None and value > high):
         raise ValueError(f"{_bounds(field, low, high)}, got {value}")
     return value
@@ -37,6 +38,9 @@ def as_int(value, field: str, low: int | None = None, high: int | None = None) -
 def as_ints(values: Sequence[int] | np.ndarray, field: str, low: int | None = None,
             high: int | None = None) -> np.ndarray:
     """values as int64, each an exact integer within [low, high]."""
+    if not isinstance(values, (np.ndarray, Sequence)) or isinstance(values, (str, bytes)):
+        raise ValueError(f"{field}: expected a flat list of integers, got "
+                         f"{type(values).__name__}")
     if not isinstance(values, np.ndarray) and _BOOLS & set(map(type, values)):
         # numpy reads [3, True] as int64 [3, 1]: a bool among ints is found only here
         raise ValueError(f"{field}: expected integers, got a bool among them")

@@ -112,6 +112,23 @@ def test_bad_request_id_and_batches():
         build_batch_metadata([ScheduledRequest("a", None, 1, 0, 1, [3])], BS, 8)
 
 
+def test_a_bad_id_in_a_batch_is_named_by_its_row_or_request():
+    """A batch's ids are checked together, and a bad one still names its table row or its
+    request; a row that is no list of ids is refused the same way."""
+    good = req("a", blocks=(3, 1, 7))
+    with pytest.raises(ValueError, match=r"block_tables\[1\]: expected integers in \[0, 7\], "
+                                         r"got \[9\]"):
+        build_batch_metadata([good, req("b", blocks=(2, 9, 5))], BS, 8)
+    with pytest.raises(ValueError, match="sequence 1 names a block twice"):
+        build_batch_metadata([good, req("b", blocks=(2, 5, 5))], BS, 8)
+    with pytest.raises(ValueError, match=r"token_ids \('b'\)"):
+        build_batch_metadata([good, req("b", blocks=(2, 4, 5), tokens=[5] * 39 + [5000])],
+                             BS, 8, vocab_size=1000)
+    for row in (3, "12", [[1, 2]], (b for b in (1, 2))):
+        with pytest.raises(ValueError, match=r"block_tables\[1\]: expected"):
+            build_attention_metadata([5, 5], [20, 20], [[1, 2], row], BS, 8)
+
+
 def test_overlapping_writes_are_refused():
     """Defect 4: two sequences writing one block, or writing a block another reads as its
     prefix with other tokens (or at another position), is a collision, not a hit."""
