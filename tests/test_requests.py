@@ -4,6 +4,8 @@ that a plan changes none of its inputs."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 import pytest
 
@@ -145,6 +147,16 @@ def test_token_ids_read_in_place_as_the_list_they_stand_for(prompt, output, pend
             for stride in (None, 2, -1):
                 assert ids[i:j:stride] == want[i:j:stride], (i, j, stride)
     assert ids != [*want, 1] and ids != want[:-1]
+
+
+def test_a_state_replaced_is_what_dataclasses_replace_gives():
+    state = prefilled()["a"]
+    for changes in (dict(num_computed=41), dict(output_token_ids=(7, 9), pending=0),
+                    dict(block_ids=((1, 2, 3, 4),))):
+        assert state.replaced(**changes) == dataclasses.replace(state, **changes)
+    assert state.replaced(pending=1) is not state and state.pending == 0
+    with pytest.raises(TypeError, match="no field"):
+        state.replaced(tokens=())
 
 
 def test_more_sampling_rows_than_the_limit_are_refused():
