@@ -1,18 +1,19 @@
-"""A decode step's host time, this tree against another revision's, in one process: what one
-request's TPOT costs the host when the device keeps up (docs/results.md, "against mlx-lm").
+"""A decode step's host time, this tree against another revision's, in one process: what a
+step costs the host when the device keeps up (docs/results.md, "Decode host time").
 
     python -m bench.probes.decode_host --rev a6455da [--shape llama-1b:2048] [--layers N]
-                                       [--rounds 60] [--out results/decode_host.json]
+                                       [--requests 1] [--rounds 60] [--out results/decode_host.json]
 
 Run from a git checkout; the other revision is imported beside this tree as `tree_ab` does.
-Each tree decodes one request over its own cache, step by step, from vLLM's SchedulerOutput on
-(tests/scheduler_outputs.py builds them as vLLM's scheduler does, a block at a time): per step
-`plan` is `requests.plan_step` (the request states and the forward's metadata), `build` the
-runner's forward (the dispatcher's plan and the lazy graph), `launch` MLX's `async_eval` of
-the argmax and the cache writes; then the step is waited for, untimed, so the three are host
-time alone. mlx-lm's own step over its KVCache (`build`: the model call, `launch`) runs in the
-same rounds; the order alternates. Per tree: medians over the rounds, and the paired median
-of this tree's host time over the other's.
+Each tree decodes `--requests` requests together over its own cache, step by step, from
+vLLM's SchedulerOutputs (tests/scheduler_outputs.py builds them as vLLM's scheduler does, a
+block at a time): per step `plan` is `requests.plan_step` (the request states and the
+forward's metadata), `build` the runner's forward (the dispatcher's plan and the lazy graph),
+`launch` MLX's `async_eval` of the argmax and the cache writes; then the step is waited for,
+untimed, so the three are host time alone. With one request, mlx-lm's own step over its
+KVCache (`build`: the model call, `launch`) runs in the same rounds; the order alternates.
+Per tree: medians over the rounds, and the paired median of this tree's host time over the
+other's.
 """
 
 from __future__ import annotations
@@ -37,13 +38,14 @@ PARTS = ("plan", "build", "launch")
 
 
 class Decoder:
-    """One tree's runner decoding one request, its states kept as the vLLM runner keeps them."""
+    """One tree's runner decoding requests together, their states kept as the vLLM runner keeps
+    them; blocks come from one pool in the order vLLM's scheduler asks for them."""
 
-    def __init__(self, prefix: str, cfg: dict, dense, prompt: list[int], steps: int):
+    def __init__(self, prefix: str, cfg: dict, dense, prompts: list[list[int]], steps: int):
         def module(name):
             return importlib.import_module(f"{prefix}paged_prefix.{name}")
         self.requests = module("requests")
-        blocks = -(-(len(prompt) + steps + 1) // BLOCK_SIZE) + 1
+        blocks = sum(-(-(len(p) + steps + 1) // BLOCK_SIZE) for p in prompts) + 1
         paged = module("models").build_model(cfg, DTYPE, evaluate=False)
         paged.update(dense.parameters())  # the same arrays, not a copy
         cache = module("kv_cache")
@@ -51,19 +53,25 @@ class Decoder:
                                 cfg["num_key_value_heads"], cfg["head_dim"], DTYPE,
                                 heads_major=cache.heads_major_here())  # as the worker lays it out
         self.runner = module("runner").PagedModelRunner(paged, kv, module("dispatch").Dispatcher())
-        self.limits = self.requests.Limits(cfg["vocab_size"], BLOCK_SIZE, blocks, 1)
-        self.next_block, self.live = -(-len(prompt) // BLOCK_SIZE) + 1, {}
-        first = self.step(step({"r": len(prompt)}, [new("r", prompt, (list(
-            range(1, self.next_block)),))]))
-        self.finish(first)
+        self.limits = self.requests.Limits(cfg["vocab_size"], BLOCK_SIZE, blocks, len(prompts))
+        self.free, self.held, self.live, admitted = 1, {}, {}, []
+        for i, prompt in enumerate(prompts):
+            n = self.held[f"r{i}"] = -(-len(prompt) // BLOCK_SIZE)
+            admitted.append(new(f"r{i}", prompt, (list(range(self.free, self.free + n)),)))
+            self.free += n
+        self.finish(self.step(step({r.req_id: len(r.prompt_token_ids) for r in admitted},
+                                   admitted)))
 
     def decode_step(self):
-        state = self.live["r"]
-        computed = state.num_computed
-        grows = computed + 1 > (self.next_block - 1) * BLOCK_SIZE
-        blocks = ([self.next_block],) if grows else None
-        self.next_block += grows
-        return self.step(step({"r": 1}, cached_reqs=cached(["r"], [blocks], [computed])))
+        ids = list(self.live)
+        computed = [self.live[r].num_computed for r in ids]
+        blocks = []
+        for r, c in zip(ids, computed):
+            grows = c + 1 > self.held[r] * BLOCK_SIZE
+            blocks.append(([self.free],) if grows else None)
+            self.free += grows
+            self.held[r] += grows
+        return self.step(step(dict.fromkeys(ids, 1), cached_reqs=cached(ids, blocks, computed)))
 
     def step(self, so) -> tuple[dict, object]:
         t0 = time.perf_counter()
@@ -77,7 +85,8 @@ class Decoder:
 
     def finish(self, result) -> None:
         plan, tokens = result[1]
-        self.live = self.requests.with_sampled(plan.requests, {"r": tokens.item()})
+        self.live = self.requests.with_sampled(plan.requests, dict(zip(plan.meta.sample_req_ids,
+                                                                       tokens.tolist())))
 
 
 class MlxLm:
@@ -109,6 +118,8 @@ def main() -> None:
     parser.add_argument("--layers", type=int, default=None,
                         help="the config's layer count instead of its own (host time per layer "
                              "at a size the CPU decodes quickly)")
+    parser.add_argument("--requests", type=int, default=1,
+                        help="requests decoding together (mlx-lm's own step only with one)")
     parser.add_argument("--rounds", type=int, default=60)
     parser.add_argument("--out", type=Path, default=Path("results/decode_host.json"))
     args = parser.parse_args()
@@ -119,10 +130,12 @@ def main() -> None:
         cfg = models.resolve_config(name, **({} if args.layers is None else
                                              {"num_hidden_layers": args.layers}))
         dense = models.build_model(cfg, DTYPE)
-        prompt = np.random.default_rng(0).integers(3, cfg["vocab_size"], int(prompt_len)).tolist()
+        rng = np.random.default_rng(0)
+        prompts = [rng.integers(3, cfg["vocab_size"], int(prompt_len)).tolist()
+                   for _ in range(args.requests)]
         warm = 5
-        decoders = {"mlx-lm": MlxLm(dense, prompt),
-                    **{k: Decoder(prefix, cfg, dense, prompt, warm + args.rounds)
+        decoders = {**({"mlx-lm": MlxLm(dense, prompts[0])} if args.requests == 1 else {}),
+                    **{k: Decoder(prefix, cfg, dense, prompts, warm + args.rounds)
                        for k, prefix in (("other", PREFIX), ("this", ""))}}
         times = {k: [] for k in decoders}
         for i in range(warm + args.rounds):
@@ -136,6 +149,7 @@ def main() -> None:
           for k, rows in times.items()}
     host = {k: [sum(t.values()) for t in rows] for k, rows in times.items()}
     out = {"other": sha, "shape": args.shape, "layers": cfg["num_hidden_layers"],
+           "requests": args.requests,
            "dtype": str(DTYPE), "rounds": args.rounds,
            "device": str(mx.default_device()), "median_ms": ms,
            "host_ms": {k: 1e3 * statistics.median(v) for k, v in host.items()},
