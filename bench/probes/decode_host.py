@@ -34,8 +34,6 @@ from bench.prefill_setup import BLOCK_SIZE, DTYPE
 from bench.probes.tree_ab import PREFIX, import_revision
 from tests.scheduler_outputs import cached, new, step
 
-PARTS = ("plan", "build", "launch")
-
 
 class Decoder:
     """One tree's runner decoding requests together, their states kept as the vLLM runner keeps
