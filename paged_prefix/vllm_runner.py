@@ -7,21 +7,21 @@
     sample_tokens(grammar_output) -> ModelRunnerOutput
     execute_model(SchedulerOutput) -> ModelRunnerOutput   both, for the offline engine
 
-`run_forward` + `sample_tokens` is the split vLLM's workers use (vllm-metal's runner too):
-it serves both synchronous and asynchronous scheduling. Sampling is vLLM's own Sampler
+`run_forward` + `sample_tokens` is the split vLLM's workers use (vllm-metal's runner too): it
+serves both synchronous and asynchronous scheduling. Sampling is vLLM's own Sampler
 (`vllm_sampling.py`), except for a step whose every sampling row vLLM would answer with the
 argmax of its logits (`vllm_sampling.needs_sampler`: greedy, nothing that changes the logits,
-no logprobs, no grammar): its argmax is taken on the device and `sample_tokens` returns at
-once, with vLLM's AsyncModelRunnerOutput (`SampledOnDevice`), whose tokens the host reads
-only when the engine asks for them. The next step's forward then reads those tokens on the
-device (a request's `pending` token) and is built while the device still runs this one: under
-vLLM's asynchronous scheduling (its default) the engine schedules the next step before it
-takes this one's output, so the host's work (scheduling, the metadata, the graph) overlaps
-the device's. A step is launched only once the one before has finished: MLX holds a running
-step's arrays, and a cache write into an array it holds would copy the whole array
-(`runner._release_last_step`). A request that asks for prompt logprobs has its prompt rows
-scored right after each forward of its prompt (`prompt_logprobs.py`); they go out whole with
-the step that computes its last prompt token.
+no logprobs, no grammar): its argmax is taken on the device, launched with the forward (one
+evaluation a step), and `sample_tokens` returns at once, with vLLM's AsyncModelRunnerOutput
+(`SampledOnDevice`), whose tokens the host reads only when the engine asks for them. The next
+step's forward then reads those tokens on the device (a request's `pending` token) and is built
+while the device still runs this one: under vLLM's asynchronous scheduling (its default) the
+engine schedules the next step before it takes this one's output, so the host's work
+(scheduling, the metadata, the graph) overlaps the device's. A step is launched only once the
+one before has finished: MLX holds a running step's arrays, and a cache write into an array it
+holds would copy the whole array (`runner._release_last_step`). A request that asks for prompt
+logprobs has its prompt rows scored right after each forward of its prompt
+(`prompt_logprobs.py`); they go out whole with the step that computes its last prompt token.
 
 The scheduler owns prefix caching: it hashes blocks, finds hits and hands each request
 `num_computed_tokens` with the hit blocks first in `block_ids`. This runner keeps only what
@@ -216,17 +216,24 @@ class VllmModelRunner:
             self.forwards_built_while_running += not self._running.taken
             mx.synchronize()  # the step before lets go of the cache arrays (module docstring)
         waited = time.perf_counter()
-        mx.async_eval(logits, runner.cache_arrays())
+        sampling = len(plan.meta.sample_req_ids)
+        sampled = logits[:sampling]
+        # the argmax `sample_tokens` will take, launched with the forward (one evaluation a
+        # step): where no row needs vLLM's Sampler and the step has no grammar to apply
+        argmax = None
+        if sampling and not scheduler_output.has_structured_output_requests and \
+                _sampler_reason(plan.requests, plan.meta.sample_req_ids) is None:
+            argmax = device_argmax(sampled)
+        mx.async_eval(logits, argmax, runner.cache_arrays())
         requests = self._read(plan.requests)
         if plan.meta.states is not None:
             commit(self.state_ledger, plan.meta.states,
                    {r: requests[r].output_token_ids for r in plan.req_ids})
         if logger.isEnabledFor(logging.DEBUG):
             self._log_forward(plan.meta, start, built, waited)
-        sampling = len(plan.meta.sample_req_ids)
         scoring, done = self._score_prompts(step, logits[sampling:], scoring)
         self.requests, self.prompt_logprobs = requests, scoring
-        self._running, self._pending = None, (plan, logits[:sampling], done)
+        self._running, self._pending = None, (plan, sampled, argmax, done)
         return None
 
     def _reading_running(self, plan: StepPlan) -> BatchMetadata:
@@ -290,16 +297,15 @@ class VllmModelRunner:
         the first time it runs, with the reason."""
         if self._pending is None:
             raise ValueError("sample_tokens: no forward is pending (run_forward first)")
-        (plan, logits, prompt_done), self._pending = self._pending, None
+        (plan, logits, argmax, prompt_done), self._pending = self._pending, None
         sample_ids = plan.meta.sample_req_ids
         grammar = grammar_rows(grammar_output, sample_ids)
         start = time.perf_counter()
-        why = "a grammar bitmask" if grammar else next(
-            (w for r in sample_ids if (w := needs_sampler(self.requests[r].params))), None)
+        why = "a grammar bitmask" if grammar else _sampler_reason(self.requests, sample_ids)
         if why is None:
             self._log_once("argmax on the device", ", returned before the step has run (every "
                            "row greedy, nothing changing its logits, no logprobs)")
-            return self._sample_on_device(plan, logits, prompt_done, start)
+            return self._sample_on_device(plan, logits, argmax, prompt_done, start)
         self._log_once("vLLM's Sampler", f" (first for a row's {why})")
         mx.eval(logits, self.runner.cache_arrays())  # the step's one host sync
         sampled: dict[str, int] = {}
@@ -317,15 +323,18 @@ class VllmModelRunner:
                      len(sample_ids), 1e3 * (self._last_step_end - start), self._last_step_end)
         return _output(plan.req_ids, sampled, logprobs, prompt_done)
 
-    def _sample_on_device(self, plan: StepPlan, logits: mx.array,
+    def _sample_on_device(self, plan: StepPlan, logits: mx.array, argmax: mx.array | None,
                           prompt_done: dict[str, LogprobsTensors],
                           start: float) -> SampledOnDevice:
-        """Every row (if any) samples its argmax (`needs_sampler`): taken on the device and
-        launched; the tokens stay there for the next forward, and reach the host when the engine
-        (or the next forward, once its graph is built) reads them."""
+        """Every row (if any) samples its argmax (`needs_sampler`): taken on the device,
+        launched with the forward (`argmax`) or else now; the tokens stay there for the next
+        forward, and reach the host when the engine (or the next forward, once its graph is
+        built) reads them."""
         sample_ids = plan.meta.sample_req_ids
-        tokens = device_argmax(logits)
-        mx.async_eval(tokens)
+        tokens = argmax
+        if tokens is None:  # no row samples, or the step may have had a grammar to apply
+            tokens = device_argmax(logits)
+            mx.async_eval(tokens)
         self.requests = with_pending(self.requests, sample_ids)
         self._running = SampledOnDevice(plan.req_ids, sample_ids, tokens, prompt_done)
         self.steps_sampled_on_device += 1
@@ -402,6 +411,11 @@ def _output(req_ids: list[str], sampled: dict[str, int], logprobs,
         logprobs=logprobs,
         prompt_logprobs_dict=prompt_done,
     )
+
+
+def _sampler_reason(requests: dict[str, RequestState], sample_ids: tuple[str, ...]) -> str | None:
+    """Why one of the sampling rows needs vLLM's Sampler (`needs_sampler`), or None."""
+    return next((w for r in sample_ids if (w := needs_sampler(requests[r].params))), None)
 
 
 def _sampling_row(state: RequestState) -> SamplingRow:

@@ -385,6 +385,32 @@ def test_pending_tokens_are_read_on_the_device_in_any_row_order():
         {r: s.output_token_ids for r, s in on_host.requests.items()}
 
 
+def test_a_greedy_steps_argmax_is_launched_with_its_forward(monkeypatch):
+    """A step sampled on the device is one evaluation (its argmax launched with the forward);
+    one that may take a grammar bitmask launches the argmax once sampling finds no bitmask row
+    among its rows, and one that needs vLLM's Sampler evaluates there. Every way gives the
+    same greedy tokens."""
+    launches = []
+    async_eval = mx.async_eval
+    monkeypatch.setattr(mx, "async_eval", lambda *a: (launches.append(a), async_eval(*a)))
+    prompts = {"a": list(range(3, 23)), "b": list(range(40, 52))}
+
+    def first_step(runner, structured=False, logprobs=None):
+        so = step({"a": 20, "b": 12}, [new("a", prompts["a"], ([1, 2],)),
+                                       new("b", prompts["b"], ([3],), logprobs=logprobs)])
+        so.has_structured_output_requests = structured
+        launches.clear()
+        runner.run_forward(so)
+        out = runner.sample_tokens(None)
+        out = out.get_output() if isinstance(out, SampledOnDevice) else out
+        return len(launches), [t for (t,) in out.sampled_token_ids]
+
+    greedy, tokens = first_step(make_runner())
+    assert greedy == 1
+    assert first_step(make_runner(), structured=True) == (2, tokens)
+    assert first_step(make_runner(), logprobs=1) == (1, tokens)
+
+
 def test_greedy_steps_sample_on_the_device_others_through_vllms_sampler(caplog):
     """A step where no row `needs_sampler` returns vLLM's AsyncModelRunnerOutput at once,
     its tokens left on the device, where the next forward reads them (the host's list holds a
