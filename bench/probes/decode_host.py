@@ -10,7 +10,8 @@ vLLM's SchedulerOutputs (tests/scheduler_outputs.py builds them as vLLM's schedu
 block at a time): per step `plan` is `requests.plan_step` (the request states and the
 forward's metadata), `build` the runner's forward (the dispatcher's plan and the lazy graph),
 `launch` MLX's `async_eval` of the argmax and the cache writes; then the step is waited for,
-untimed, so the three are host time alone. With one request, mlx-lm's own step over its
+untimed, so the three are host time alone. The heap built before the rounds is frozen, as
+vLLM's engine freezes its own after start-up. With one request, mlx-lm's own step over its
 KVCache (`build`: the model call, `launch`) runs in the same rounds; the order alternates.
 Per tree: medians over the rounds, and the paired median of this tree's host time over the
 other's.
@@ -19,6 +20,7 @@ other's.
 from __future__ import annotations
 
 import argparse
+import gc
 import importlib
 import json
 import statistics
@@ -135,6 +137,11 @@ def main() -> None:
         decoders = {**({"mlx-lm": MlxLm(dense, prompts[0])} if args.requests == 1 else {}),
                     **{k: Decoder(prefix, cfg, dense, prompts, warm + args.rounds)
                        for k, prefix in (("other", PREFIX), ("this", ""))}}
+        # what vLLM's engine does once it has started (`freeze_gc_heap`): the collector then
+        # walks only what a step allocates (unfrozen, the probe's setup made a 16-layer step's
+        # collections cost more than its build: docs/results.md, "Decode host time (CPU)")
+        gc.collect()
+        gc.freeze()
         times = {k: [] for k in decoders}
         for i in range(warm + args.rounds):
             for k in list(decoders) if i % 2 == 0 else list(decoders)[::-1]:

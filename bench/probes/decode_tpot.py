@@ -16,12 +16,14 @@ own (vLLM fixes its platform once a process), one after the other:
 TPOT: (last token's time - first token's) / (tokens - 1), the median over requests. For the
 vLLM runs the runner's step log (DEBUG) gives the median decode step: its forward (graph build,
 then the wait for the step before), its sampling, and the time from one step's end to the
-next's start (the engine: outputs, scheduling).
+next's start (the engine: outputs, scheduling); and Python's garbage collections while the
+requests ran (`gc`: count and time per generation).
 """
 
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import logging
 import os
@@ -65,6 +67,8 @@ def run_vllm(model: str, args: argparse.Namespace, scheduling: str) -> dict:
     params = SamplingParams(temperature=0.0, max_tokens=args.output_len, ignore_eos=True)
     log.addHandler(Keep())
     log.setLevel(logging.DEBUG)
+    collections = GcTime()
+    gc.callbacks.append(collections)
     results = []
     for i, ids in enumerate(prompts(args, engine.model_config.get_vocab_size())):
         engine.add_request(str(i), {"prompt_token_ids": ids}, params)
@@ -75,13 +79,34 @@ def run_vllm(model: str, args: argparse.Namespace, scheduling: str) -> dict:
                 times += [time.perf_counter()] * (n - seen)
                 seen = n
         results.append(tpot(times))
+    gc.callbacks.remove(collections)
     log.setLevel(logging.INFO)
     runner = engine.engine_core.engine_core.model_executor.driver_worker.worker.runner
-    steps = decode_steps("\n".join(lines))
-    engine.engine_core.shutdown()
-    return {"tpot_ms": results, "steps": steps,
+    steps, collected = decode_steps("\n".join(lines)), collections.summary()
+    engine.engine_core.shutdown()  # unfreezes the heap
+    return {"tpot_ms": results, "steps": steps, "gc": collected,
             "steps_sampled_on_device": runner.steps_sampled_on_device,
             "forwards_built_while_running": runner.forwards_built_while_running}
+
+
+class GcTime:
+    """Python's garbage collections while the requests ran (a `gc.callbacks` entry): how many
+    of each generation and how long they took. vLLM's engine freezes the heap it starts with,
+    so they walk only what the steps allocate."""
+
+    def __init__(self):
+        self.counts, self.seconds, self._start = [0, 0, 0], [0.0, 0.0, 0.0], 0.0
+
+    def __call__(self, phase: str, info: dict) -> None:
+        if phase == "start":
+            self._start = time.perf_counter()
+        else:
+            self.counts[info["generation"]] += 1
+            self.seconds[info["generation"]] += time.perf_counter() - self._start
+
+    def summary(self) -> dict:
+        return {"collections": self.counts, "ms": [round(1e3 * s, 3) for s in self.seconds],
+                "frozen_objects": gc.get_freeze_count()}
 
 
 def decode_steps(log: str) -> dict:
@@ -150,7 +175,8 @@ def main(argv=None) -> int:
             raise SystemExit(f"{run}: the run failed (exit {proc.returncode})")
         results[run] = result
         median = statistics.median(results[run]["tpot_ms"])
-        print(f"{run:<11} TPOT p50 {median:6.2f} ms  {results[run].get('steps', '')}", flush=True)
+        print(f"{run:<11} TPOT p50 {median:6.2f} ms  {results[run].get('steps', '')}"
+              f"{'  gc ' + str(results[run]['gc']) if 'gc' in results[run] else ''}", flush=True)
     base = statistics.median(results["mlx-lm"]["tpot_ms"])
     for run in RUNS[:2]:
         print(f"{run} / mlx-lm: {statistics.median(results[run]['tpot_ms']) / base:.3f}x")
