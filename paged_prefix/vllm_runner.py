@@ -211,11 +211,6 @@ class VllmModelRunner:
                                                          for r in scoring})
         start = time.perf_counter()
         logits = runner.forward(self._reading_running(plan), step.rows)
-        built = time.perf_counter()
-        if self._running is not None:
-            self.forwards_built_while_running += not self._running.taken
-            mx.synchronize()  # the step before lets go of the cache arrays (module docstring)
-        waited = time.perf_counter()
         sampling = len(plan.meta.sample_req_ids)
         sampled = logits[:sampling]
         # the argmax `sample_tokens` will take, launched with the forward (one evaluation a
@@ -224,6 +219,11 @@ class VllmModelRunner:
         if sampling and not scheduler_output.has_structured_output_requests and \
                 _sampler_reason(plan.requests, plan.meta.sample_req_ids) is None:
             argmax = device_argmax(sampled)
+        built = time.perf_counter()
+        if self._running is not None:
+            self.forwards_built_while_running += not self._running.taken
+            mx.synchronize()  # the step before lets go of the cache arrays (module docstring)
+        waited = time.perf_counter()
         mx.async_eval(logits, argmax, runner.cache_arrays())
         requests = self._read(plan.requests)
         if plan.meta.states is not None:
