@@ -83,8 +83,8 @@ def _query_tiles(cu_seqlens_q: np.ndarray, seq_lens: np.ndarray, group: int, num
     q_lens = np.diff(cu_seqlens_q).astype(np.int64)
     context_lens = np.asarray(seq_lens, dtype=np.int64) - q_lens
     tiles_per_seq = -(-q_lens // tokens_per_tile)
-    if seqs is not None:  # a mask: np.setdiff1d took a quarter of a one-sequence plan's
-        # host time (316 against 243 us on a 2-core CPU)
+    if seqs is not None:  # a mask: np.setdiff1d took a quarter of the plan's host time
+        # (bench/probes/plan_host.py)
         planned = np.zeros(len(q_lens), dtype=bool)
         planned[np.asarray(seqs)] = True
         tiles_per_seq[~planned] = 0
