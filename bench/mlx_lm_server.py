@@ -4,8 +4,8 @@
         ... server.url ...   # the adapter (bench/sse_adapter.py); server.upstream is mlx-lm
 
 The server runs as `mlx_lm.server --model DIR` does, in a child process that imports
-paged_prefix first, so its matmuls run on the same OpenBLAS as `vllm serve`'s (it prints
-which BLAS, and fails where nox requires OpenBLAS and it is missing). Both children stop
+paged_prefix first, so its matmuls run on the same OpenBLAS as `vllm serve`'s (on MLX's CPU
+backend it prints which BLAS, and fails where nox requires OpenBLAS and it is missing). Both children stop
 with SIGINT, then SIGKILL if they linger.
 """
 
@@ -16,13 +16,22 @@ import subprocess
 import sys
 from pathlib import Path
 
-from bench.vllm_server import ServerProcess, child_env, free_port, stop_process, wait_until_answering
+from bench.vllm_server import (
+    NOT_LOGGED,
+    ServerProcess,
+    child_env,
+    free_port,
+    stop_process,
+    wait_until_answering,
+)
 
 ROOT = Path(__file__).resolve().parent.parent
 LAUNCH = """import sys
 from paged_prefix import cpu_blas  # before mlx.core: OpenBLAS, as vllm serve has it
-print(cpu_blas.status_line(), flush=True)
-cpu_blas.require()
+import mlx.core as mx
+if mx.default_device() == mx.cpu:  # as the vLLM worker: a GPU's matmuls use no CPU BLAS
+    print(cpu_blas.status_line(), flush=True)
+    cpu_blas.require()
 from mlx_lm.server import main
 sys.argv = ["mlx_lm.server", *sys.argv[1:]]
 main()
@@ -68,5 +77,7 @@ class MlxLmServer(ServerProcess):
             stop_process(process, 30.0)
 
     def blas_line(self) -> str:
-        return self.log_path.read_text(errors="replace").splitlines()[0]
+        lines = [line for line in self.log_path.read_text(errors="replace").splitlines()
+                 if "MLX's CPU matmuls run on" in line]
+        return lines[0] if lines else NOT_LOGGED
 
