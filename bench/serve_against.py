@@ -119,11 +119,11 @@ def compare(model: str, args: argparse.Namespace) -> int:
              f"{where}\nprefix_repetition {workload_text(args)}; "
              f"multi-turn {turns.conversations} conversations x {turns.turns} turns, "
              f"{turns.output_len} out")
+    print(f"model {model}\nworkload {workload_text(args)}, seed {args.seed}")
+    print(tables(results), flush=True)
     serve_plot.against({w: {s: results[s][w] for s in SERVERS} for w in (*PHASES, "multi-turn")},
                        {s: results[s]["multi-turn"]["ttft_p50_ms_per_turn"] for s in SERVERS},
                        title, args.out / "against.png")
-    print(f"model {model}\nworkload {workload_text(args)}, seed {args.seed}")
-    print(tables(results))
     print(f"wrote {args.out}/summary.json, against.png")
     failed = sum(results[s][p]["failed"] for s in SERVERS for p in PHASES)
     return 1 if failed else 0

@@ -310,6 +310,7 @@ def resolve_model(args: argparse.Namespace) -> str:
 
 def main(argv=None) -> int:
     args = parse_args(argv)
+    serve_plot.require()
     args.out.mkdir(parents=True, exist_ok=True)
     model = resolve_model(args)
     start = time.monotonic()

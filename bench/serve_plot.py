@@ -16,6 +16,15 @@ COLORS = ["#9e9e9e", "#1f77b4"]  # a baseline (caching off) grey, the run it is 
 AGAINST_COLORS = ["#1f77b4", "#ff7f0e"]  # paged_prefix, mlx-lm
 
 
+def require() -> None:
+    """Raises at once where matplotlib is missing: before a run of many minutes, not after."""
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError:
+        raise SystemExit("matplotlib: the serving benchmark's plots need it (pip install "
+                         "'paged-prefix[bench]'; nox -s serve-bench installs it)") from None
+
+
 def _pyplot():
     import matplotlib
 

@@ -89,3 +89,22 @@ def test_servers_serve_random_weights_in_their_dtype(monkeypatch, tmp_path, argv
     for options in started:
         assert (options[options.index("--dtype") + 1] if "--dtype" in options else None) == dtype
     assert len(started) == 2
+
+
+def test_a_missing_matplotlib_stops_the_bench_before_any_server(monkeypatch, tmp_path):
+    """The plots come last: without matplotlib the bench stops at once, not after its runs."""
+    import builtins
+
+    real_import = builtins.__import__
+
+    def no_matplotlib(name, *args, **kwargs):
+        if name.split(".")[0] == "matplotlib":
+            raise ImportError(name)
+        return real_import(name, *args, **kwargs)
+
+    started = []
+    monkeypatch.setattr(builtins, "__import__", no_matplotlib)
+    monkeypatch.setattr(serve_bench, "resolve_model", lambda args: started.append(args))
+    with pytest.raises(SystemExit, match="matplotlib"):
+        serve_bench.main(["--out", str(tmp_path / "out")])
+    assert not started and not (tmp_path / "out").exists()
