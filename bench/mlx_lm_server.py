@@ -5,8 +5,8 @@
 
 The server runs as `mlx_lm.server --model DIR` does, in a child process that imports
 paged_prefix first, so its matmuls run on the same OpenBLAS as `vllm serve`'s (on MLX's CPU
-backend it prints which BLAS, and fails where nox requires OpenBLAS and it is missing). Both children stop
-with SIGINT, then SIGKILL if they linger.
+backend it prints which BLAS, and fails where nox requires OpenBLAS and it is missing). Both
+children stop with SIGINT, then SIGKILL if they linger.
 """
 
 from __future__ import annotations
@@ -16,14 +16,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from bench.vllm_server import (
-    NOT_LOGGED,
-    ServerProcess,
-    child_env,
-    free_port,
-    stop_process,
-    wait_until_answering,
-)
+from bench.vllm_server import ServerProcess, child_env, free_port, stop_process, wait_until_answering
 
 ROOT = Path(__file__).resolve().parent.parent
 LAUNCH = """import sys
@@ -75,9 +68,4 @@ class MlxLmServer(ServerProcess):
     def stop(self) -> None:
         for process in reversed(self.processes):
             stop_process(process, 30.0)
-
-    def blas_line(self) -> str:
-        lines = [line for line in self.log_path.read_text(errors="replace").splitlines()
-                 if "MLX's CPU matmuls run on" in line]
-        return lines[0] if lines else NOT_LOGGED
 

@@ -59,7 +59,7 @@ def run_server(kind: str, model: str, args: argparse.Namespace) -> dict:
     print(f"[{kind}] starting; log {out / f'server-{kind}.log'}", flush=True)
     with _server(kind, model, args, out) as server:
         vllm = isinstance(server, VllmServer)
-        blas = blas_line(server.log_path) if vllm else server.blas_line()
+        blas = blas_line(server.log_path)
         print(f"[{kind}] up at {server.url}; {blas}", flush=True)
         results = {"blas": blas}
         # mlx-lm answers to its folder's path (another name it would try to download)

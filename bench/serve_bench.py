@@ -29,7 +29,7 @@ from pathlib import Path
 
 from bench import multi_turn, serve_plot, ttft_breakdown
 from bench.serve_progress import run_client, server_log_status
-from bench.vllm_server import NOT_LOGGED, VLLM_CLI, VllmServer, metric_total
+from bench.vllm_server import VLLM_CLI, VllmServer, metric_total
 from paged_prefix.convert_smollm2 import models_root, smollm2_folder
 from paged_prefix.models import write_folder
 
@@ -170,10 +170,11 @@ def client_metrics(detail: dict) -> dict:
 
 
 def blas_line(server_log: Path) -> str:
-    """Which BLAS the server's MLX matmuls run on, as its worker logged it."""
+    """Which BLAS the server's MLX matmuls run on, as it logged it (vLLM's worker, or mlx-lm's
+    launcher in bench/mlx_lm_server.py); neither logs one where MLX runs on a GPU."""
     lines = [line for line in server_log.read_text(errors="replace").splitlines()
              if "MLX's CPU matmuls run on" in line]
-    return lines[0].split("paged_prefix worker: ")[-1] if lines else NOT_LOGGED
+    return lines[0].split("paged_prefix worker: ")[-1] if lines else "(not logged: not the CPU)"
 
 
 def block_size(server_log: Path) -> int | None:

@@ -24,8 +24,6 @@ from abc import ABC, abstractmethod
 from pathlib import Path
 
 VLLM_CLI = (sys.executable, "-m", "vllm.entrypoints.cli.main")
-# what a server that runs MLX on a GPU logs of the CPU BLAS (its matmuls use none)
-NOT_LOGGED = "(not logged: not the CPU)"
 
 
 def child_env(**extra: str) -> dict[str, str]:

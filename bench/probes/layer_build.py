@@ -10,10 +10,10 @@ each waited for untimed). Each piece of a layer is timed while it builds its par
 graph, nothing evaluated: the per-step sum over layers, median over steps, per layer, in us.
 Pieces nest (`attention` holds the qkv linear, `kv write` and `attention call`); each timer
 adds about 0.2 us. Then the attention call of the last step's last layer alone, `--calls`
-times on the same inputs: the planned attention (the CUDA kernel on a GPU, the CPU route here), MLX's SDPA
-over the same keys contiguous, and on a GPU the same kernel launch built from an empty source,
-which tells what the kernel's ~30 KB of source text costs each call (MLX assembles a custom
-kernel's whole source at every call) from what its arguments cost.
+times on the same inputs: the planned attention (the CUDA kernel on a GPU, the CPU route
+here), MLX's SDPA over the same keys contiguous, and on a GPU the same kernel launch built
+from an empty source, which tells what the kernel's ~30 KB of source text costs each call (MLX
+assembles a custom kernel's whole source at every call) from what its arguments cost.
 """
 
 from __future__ import annotations
@@ -21,7 +21,6 @@ from __future__ import annotations
 import argparse
 import collections
 import gc
-import importlib
 import json
 import statistics
 import time
@@ -34,7 +33,7 @@ from mlx_lm.models import llama
 from bench.prefill_setup import DTYPE
 from bench.probes.decode_host import Decoder, MlxLm
 from jit_kernels.cuda_paged_attention import CudaPagedAttention
-from paged_prefix import attention, dispatch, kv_cache, linear, mlp
+from paged_prefix import attention, dispatch, kv_cache, linear, mlp, models
 
 # (class, method, piece): each wrapped while the probe runs
 PIECES = ((attention.PagedAttention, "__call__", "attention"),
@@ -120,7 +119,6 @@ def main() -> None:
     parser.add_argument("--out", type=Path, default=Path("results/layer_build.json"))
     args = parser.parse_args()
     name, prompt_len = args.shape.split(":")
-    models = importlib.import_module("paged_prefix.models")
     cfg = models.resolve_config(name, num_hidden_layers=args.layers)
     dense = models.build_model(cfg, DTYPE)
     prompt = np.random.default_rng(0).integers(3, cfg["vocab_size"], int(prompt_len)).tolist()
