@@ -301,7 +301,12 @@ class VllmModelRunner:
         sample_ids = plan.meta.sample_req_ids
         grammar = grammar_rows(grammar_output, sample_ids)
         start = time.perf_counter()
-        why = "a grammar bitmask" if grammar else _sampler_reason(self.requests, sample_ids)
+        if grammar:
+            why = "a grammar bitmask"
+        elif argmax is not None:  # run_forward found no row that needs the Sampler
+            why = None
+        else:
+            why = _sampler_reason(self.requests, sample_ids)
         if why is None:
             self._log_once("argmax on the device", ", returned before the step has run (every "
                            "row greedy, nothing changing its logits, no logprobs)")
