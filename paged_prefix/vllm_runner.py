@@ -63,6 +63,7 @@ from .hybrid_groups import CacheGroups, HybridLimits, kernel_block_size
 from .kv_cache import PagedKVCache, heads_major_here
 from .kv_groups import cache_layout
 from .kv_layout import KVLayout
+from .launch import Launch, StepLauncher
 from .metadata import BatchMetadata
 from .requests import Limits, RequestState, StepPlan, plan_step, with_pending, with_read, with_sampled
 from .runner import PagedModelRunner, attention_of
@@ -84,9 +85,11 @@ TORCH_TO_MLX = {torch.float16: mx.float16, torch.bfloat16: mx.bfloat16, torch.fl
 
 class VllmModelRunner:
     def __init__(self, model: nn.Module, dispatcher: Dispatcher | None = None,
-                 vllm_config: VllmConfig | None = None):
+                 vllm_config: VllmConfig | None = None, launcher: StepLauncher | None = None):
+        """`launcher`: who sends steps to the device (default: `StepLauncher.for_this_device`)."""
         self.model = model
         self.dispatcher = dispatcher
+        self.launcher = launcher or StepLauncher.for_this_device()
         self.vocab_size = model.args.vocab_size
         self.sampler = BatchSampler(self.vocab_size, vllm_config or VllmConfig())
         self.runner: PagedModelRunner | None = None
@@ -178,7 +181,9 @@ class VllmModelRunner:
     def warm_up(self, num_tokens: int) -> None:
         """Real forwards and sampling before the first request (`warmup.py`); no request
         state is kept."""
-        warmup.warm_up(self._core("warm_up"), self.sampler, num_tokens)
+        runner = self._core("warm_up")
+        self.launcher.wait()
+        warmup.warm_up(runner, self.sampler, num_tokens)
 
     def _core(self, caller: str) -> PagedModelRunner:
         if self.runner is None:
@@ -200,6 +205,12 @@ class VllmModelRunner:
         runner = self._core("execute_model")
         if self._pending is not None:
             raise ValueError("sample_tokens: the previous forward's tokens were never sampled")
+        # the step's arrays on the launcher's stream, from the host data of its metadata on
+        with self.launcher.building():
+            return self._forward(runner, scheduler_output)
+
+    def _forward(self, runner: PagedModelRunner,
+                 scheduler_output: SchedulerOutput) -> ModelRunnerOutput | None:
         plan = plan_step(self.requests, scheduler_output, self._limits, self.state_ledger)
         scoring = prompt_logprobs.live(self.prompt_logprobs, plan.requests,
                                        scheduler_output.scheduled_new_reqs, self.vocab_size)
@@ -210,6 +221,7 @@ class VllmModelRunner:
         step = prompt_logprobs.plan(scoring, plan.meta, {r: plan.requests[r].prompt_token_ids
                                                          for r in scoring})
         start = time.perf_counter()
+        self.launcher.wait()  # the step before is encoded (launch.py)
         logits = runner.forward(self._reading_running(plan), step.rows)
         sampling = len(plan.meta.sample_req_ids)
         sampled = logits[:sampling]
@@ -222,9 +234,13 @@ class VllmModelRunner:
         built = time.perf_counter()
         if self._running is not None:
             self.forwards_built_while_running += not self._running.taken
-            mx.synchronize()  # the step before lets go of the cache arrays (module docstring)
+            # the step before lets go of the cache arrays (module docstring)
+            self.launcher.synchronize()
         waited = time.perf_counter()
-        mx.async_eval(logits, argmax, runner.cache_arrays())
+        # from the launcher's thread when the host reads nothing of the step before the engine
+        # asks for its tokens: no prompt rows to score now, no Sampler
+        launch = self.launcher.launch([logits, argmax, *runner.cache_arrays()],
+                                      in_thread=argmax is not None and not step.chunks)
         requests = self._read(plan.requests)
         if plan.meta.states is not None:
             commit(self.state_ledger, plan.meta.states,
@@ -233,7 +249,7 @@ class VllmModelRunner:
             self._log_forward(plan.meta, start, built, waited)
         scoring, done = self._score_prompts(step, logits[sampling:], scoring)
         self.requests, self.prompt_logprobs = requests, scoring
-        self._running, self._pending = None, (plan, sampled, argmax, done)
+        self._running, self._pending = None, (plan, sampled, argmax, done, launch)
         return None
 
     def _reading_running(self, plan: StepPlan) -> BatchMetadata:
@@ -297,7 +313,7 @@ class VllmModelRunner:
         the first time it runs, with the reason."""
         if self._pending is None:
             raise ValueError("sample_tokens: no forward is pending (run_forward first)")
-        (plan, logits, argmax, prompt_done), self._pending = self._pending, None
+        (plan, logits, argmax, prompt_done, launch), self._pending = self._pending, None
         sample_ids = plan.meta.sample_req_ids
         grammar = grammar_rows(grammar_output, sample_ids)
         start = time.perf_counter()
@@ -310,8 +326,9 @@ class VllmModelRunner:
         if why is None:
             self._log_once("argmax on the device", ", returned before the step has run (every "
                            "row greedy, nothing changing its logits, no logprobs)")
-            return self._sample_on_device(plan, logits, argmax, prompt_done, start)
+            return self._sample_on_device(plan, logits, argmax, launch, prompt_done, start)
         self._log_once("vLLM's Sampler", f" (first for a row's {why})")
+        self.launcher.wait()
         mx.eval(logits, self.runner.cache_arrays())  # the step's one host sync
         sampled: dict[str, int] = {}
         logprobs = None
@@ -329,19 +346,20 @@ class VllmModelRunner:
         return _output(plan.req_ids, sampled, logprobs, prompt_done)
 
     def _sample_on_device(self, plan: StepPlan, logits: mx.array, argmax: mx.array | None,
-                          prompt_done: dict[str, LogprobsTensors],
+                          launch: Launch | None, prompt_done: dict[str, LogprobsTensors],
                           start: float) -> SampledOnDevice:
         """Every row (if any) samples its argmax (`needs_sampler`): taken on the device,
-        launched with the forward (`argmax`) or else now; the tokens stay there for the next
-        forward, and reach the host when the engine (or the next forward, once its graph is
-        built) reads them."""
+        launched with the forward (`argmax`, by `launch` when the launcher's thread sent it)
+        or else now; the tokens stay there for the next forward, and reach the host when the
+        engine (or the next forward, once its graph is built) reads them."""
         sample_ids = plan.meta.sample_req_ids
         tokens = argmax
         if tokens is None:  # no row samples, or the step may have had a grammar to apply
-            tokens = device_argmax(logits)
-            mx.async_eval(tokens)
+            with self.launcher.building():
+                tokens = device_argmax(logits)
+                self.launcher.launch([tokens], in_thread=False)
         self.requests = with_pending(self.requests, sample_ids)
-        self._running = SampledOnDevice(plan.req_ids, sample_ids, tokens, prompt_done)
+        self._running = SampledOnDevice(plan.req_ids, sample_ids, tokens, prompt_done, launch)
         self.steps_sampled_on_device += 1
         self._last_step_end = time.perf_counter()
         logger.debug("step: sampled %d rows in %.1f ms, ending at t=%.4f s (argmax on the "
@@ -384,9 +402,11 @@ class SampledOnDevice(AsyncModelRunnerOutput):
     runner reads the same tokens into its request states; both read them once."""
 
     def __init__(self, req_ids: list[str], sample_ids: tuple[str, ...], tokens: mx.array,
-                 prompt_done: dict[str, LogprobsTensors]):
+                 prompt_done: dict[str, LogprobsTensors], launch: Launch | None = None):
+        """`launch`: the launcher thread's sending of the step, when it sent it."""
         self.req_ids, self.sample_ids, self.tokens = req_ids, sample_ids, tokens
         self._prompt_done = prompt_done
+        self._launch = launch
         self._lock = threading.Lock()
         self._values: list[int] | None = None
 
@@ -399,6 +419,8 @@ class SampledOnDevice(AsyncModelRunnerOutput):
         """The sampled tokens, in `sample_ids` order (waits for the step)."""
         with self._lock:
             if self._values is None:
+                if self._launch is not None:  # encoded, so that reading it uses no encoder
+                    self._launch.wait()
                 self._values = self.tokens.tolist()
             return self._values
 

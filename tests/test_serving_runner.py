@@ -21,6 +21,7 @@ from vllm.v1.core.sched.output import NewRequestData
 from bench import ttft_breakdown
 from paged_prefix.engine import Engine, EngineConfig
 from paged_prefix.kv_groups import kv_cache_config, layer_specs
+from paged_prefix.launch import StepLauncher
 from paged_prefix.models import build_model, resolve_config
 from paged_prefix.requests import PENDING_TOKEN
 from paged_prefix.vllm_runner import SampledOnDevice, VllmModelRunner
@@ -31,8 +32,10 @@ CONFIG = resolve_config("llama-test")
 VOCAB = CONFIG["vocab_size"]
 
 
-def make_runner(vllm_config: VllmConfig | None = None, config: dict = CONFIG) -> VllmModelRunner:
-    runner = VllmModelRunner(build_model(config, mx.float32, seed=0), vllm_config=vllm_config)
+def make_runner(vllm_config: VllmConfig | None = None, config: dict = CONFIG,
+                launcher: StepLauncher | None = None) -> VllmModelRunner:
+    runner = VllmModelRunner(build_model(config, mx.float32, seed=0), vllm_config=vllm_config,
+                             launcher=launcher)
     specs = layer_specs(runner.layer_windows(), BS, config["num_key_value_heads"],
                         config["head_dim"], torch.float32)
     runner.initialize_kv_cache(kv_cache_config(vllm_config or VllmConfig(), specs, NUM_BLOCKS))
@@ -355,11 +358,13 @@ def test_debug_log_says_where_each_steps_time_goes(caplog):
     assert steps[0].start < steps[0].end <= steps[1].start < steps[1].end
 
 
-def test_pending_tokens_are_read_on_the_device_in_any_row_order():
+@pytest.mark.parametrize("threaded", [False, True], ids=["launched here", "launch thread"])
+def test_pending_tokens_are_read_on_the_device_in_any_row_order(threaded):
     """The next forward reads each pending token from the device, whether the step lists its
     requests in the order they were sampled (the tokens as they are), in another order (taken
     by row), or beside a new request's prompt rows (the host's ids kept there): the tokens are
-    those of a runner whose every step goes through vLLM's Sampler, on the host."""
+    those of a runner whose every step goes through vLLM's Sampler, on the host. Sent from the
+    launcher's thread (as on a GPU), every step is, and gives the same tokens."""
     prompts = {"a": list(range(3, 23)), "b": list(range(40, 52)), "c": list(range(60, 70))}
     steps = [
         step({"a": 20, "b": 12}, [new("a", prompts["a"], ([1, 2],)),
@@ -371,7 +376,7 @@ def test_pending_tokens_are_read_on_the_device_in_any_row_order():
         step({"a": 1, "b": 1, "c": 1}, cached_reqs=cached(["a", "b", "c"], [None] * 3,
                                                           [22, 14, 11])),
     ]
-    on_device, on_host = make_runner(), make_runner()
+    on_device, on_host = make_runner(launcher=StepLauncher(threaded)), make_runner()
     on_host_steps = [step({"a": 20, "b": 12}, [new("a", prompts["a"], ([1, 2],)),
                                                new("b", prompts["b"], ([3],), logprobs=1)]),
                      *steps[1:]]
@@ -380,6 +385,8 @@ def test_pending_tokens_are_read_on_the_device_in_any_row_order():
         assert isinstance(on_device.sample_tokens(None), SampledOnDevice)
         on_host.execute_model(host_so)
     assert on_device.steps_sampled_on_device == 4 and on_host.steps_sampled_on_device == 0
+    assert on_device.launcher.launched_in_thread == (4 if threaded else 0)
+    assert on_host.launcher.launched_in_thread == 0
     read = on_device._read(on_device.requests)  # with the last step's tokens
     assert {r: s.output_token_ids for r, s in read.items()} == \
         {r: s.output_token_ids for r, s in on_host.requests.items()}

@@ -9,8 +9,11 @@ greedy request at a time, each a new seeded prompt of token ids, every run in a 
 own (vLLM fixes its platform once a process), one after the other:
   vllm async   vllm.LLM in this process (no API server), prefix caching on, asynchronous
                scheduling (vLLM's default): each step is scheduled and built before the
-               engine takes the step before's tokens;
-  vllm sync    the same with synchronous scheduling;
+               engine takes the step before's tokens; on a GPU each step is sent to the device
+               from the runner's launch thread (paged_prefix/launch.py);
+  vllm async, launched here
+               the same with every step sent by the thread that built it (as on the CPU);
+  vllm sync    asynchronous scheduling off;
   mlx-lm       mlx_lm's generate_step over its own cache (it builds token n + 1's graph while
                token n runs).
 TPOT: (last token's time - first token's) / (tokens - 1), the median over requests. For the
@@ -35,7 +38,7 @@ from pathlib import Path
 from bench.probes import child
 from bench.ttft_breakdown import steps_of
 
-RUNS = ("vllm async", "vllm sync", "mlx-lm")
+RUNS = ("vllm async", "vllm async, launched here", "vllm sync", "mlx-lm")
 
 
 def prompts(args: argparse.Namespace, vocab: int) -> list[list[int]]:
@@ -49,9 +52,14 @@ def tpot(times: list[float]) -> float:
     return 1e3 * (times[-1] - times[0]) / (len(times) - 1)
 
 
-def run_vllm(model: str, args: argparse.Namespace, scheduling: str) -> dict:
+def run_vllm(model: str, args: argparse.Namespace, run: str) -> dict:
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
     from vllm import LLM, SamplingParams
+
+    from paged_prefix.launch import StepLauncher
+
+    if run.endswith("launched here"):  # the worker (in this process) takes this launcher
+        StepLauncher.for_this_device = classmethod(lambda cls: cls(False))
 
     lines: list[str] = []
 
@@ -62,7 +70,7 @@ def run_vllm(model: str, args: argparse.Namespace, scheduling: str) -> dict:
     log = logging.getLogger("paged_prefix.vllm_runner")
     llm = LLM(model=model, enable_prefix_caching=True, max_model_len=args.prompt_len + args.output_len + 16,
               kv_cache_memory_bytes=args.kv_cache_memory_bytes, seed=0, max_num_seqs=4,
-              async_scheduling=scheduling == "async")
+              async_scheduling=run.startswith("vllm async"))
     engine = llm.llm_engine
     params = SamplingParams(temperature=0.0, max_tokens=args.output_len, ignore_eos=True)
     log.addHandler(Keep())
@@ -86,7 +94,8 @@ def run_vllm(model: str, args: argparse.Namespace, scheduling: str) -> dict:
     engine.engine_core.shutdown()  # unfreezes the heap
     return {"tpot_ms": results, "steps": steps, "gc": collected,
             "steps_sampled_on_device": runner.steps_sampled_on_device,
-            "forwards_built_while_running": runner.forwards_built_while_running}
+            "forwards_built_while_running": runner.forwards_built_while_running,
+            "steps_launched_in_thread": runner.launcher.launched_in_thread}
 
 
 class GcTime:
@@ -159,7 +168,7 @@ def main(argv=None) -> int:
     args = p.parse_args(argv)
     if args.one:
         result = run_mlx_lm(args.model_dir, args) if args.one == "mlx-lm" else \
-            run_vllm(args.model_dir, args, args.one.split()[1])
+            run_vllm(args.model_dir, args, args.one)
         child.report(result)
         return 0
     from bench.serve_bench import resolve_model
@@ -178,7 +187,7 @@ def main(argv=None) -> int:
         print(f"{run:<11} TPOT p50 {median:6.2f} ms  {results[run].get('steps', '')}"
               f"{'  gc ' + str(results[run]['gc']) if 'gc' in results[run] else ''}", flush=True)
     base = statistics.median(results["mlx-lm"]["tpot_ms"])
-    for run in RUNS[:2]:
+    for run in RUNS[:-1]:
         print(f"{run} / mlx-lm: {statistics.median(results[run]['tpot_ms']) / base:.3f}x")
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps({"model": model, "prompt_len": args.prompt_len,

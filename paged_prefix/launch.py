@@ -1,0 +1,123 @@
+"""Who sends a step's graph to the device: the thread that built it, or a thread of its own.
+
+On a CUDA GPU, MLX's `async_eval` of a decode step is host work in C++ (each op encoded into
+the stream's CUDA graph: 1.3-1.6 ms for the 1.1B config's 16 layers on the H200,
+docs/results.md, "H200: against mlx-lm's server"), during which the calling thread waits with
+Python's GIL released. `StepLauncher(threaded=True)` runs it on a thread of its own, so that
+the encoding overlaps what the calling thread does next: vLLM's engine taking the step
+before's output and scheduling the next, and the next step's plan.
+
+MLX gives every thread its own default stream and command encoder, and a thread can evaluate
+only its own streams' ops or those of a stream made by `mx.new_thread_unsafe_stream`, whose one
+encoder any thread may use but not two at once. So a threaded launcher owns such a `stream`,
+the runner builds its steps on it (`building()`), and every other use of that encoder waits
+for the launch in flight: `wait()` before the next step's graph is built, before any
+evaluation or synchronization, and before the host reads a launched step's tokens. What the
+calling thread may do meanwhile is host work and creating arrays from host data (the
+allocator takes a lock).
+
+On MLX's CPU backend the launch is the step's computation (the cores run its matmuls):
+`StepLauncher(threaded=False)` launches on the calling thread, and `building()` and `wait()`
+do nothing.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import queue
+import threading
+
+import mlx.core as mx
+
+logger = logging.getLogger(__name__)
+
+
+class Launch:
+    """One step sent to the device from the launcher's thread; `wait` returns once MLX has
+    encoded it (the device may still be running it), raising what the launch raised."""
+
+    def __init__(self, arrays: list[mx.array]):
+        self.arrays: list[mx.array] | None = arrays
+        self.started = threading.Event()
+        self.done = threading.Event()
+        self.error: BaseException | None = None
+
+    def wait(self) -> None:
+        self.done.wait()
+        if self.error is not None:
+            raise self.error
+
+
+class StepLauncher:
+    """Sends steps to the device (`launch`), from a thread of its own when `threaded`."""
+
+    def __init__(self, threaded: bool):
+        if not isinstance(threaded, bool):
+            raise ValueError(f"threaded: expected a bool, got {threaded!r}")
+        self.threaded = threaded
+        self.launched_in_thread = 0  # steps sent from the launcher's thread
+        self._last: Launch | None = None
+        self.stream = None
+        if threaded:
+            self.stream = mx.new_thread_unsafe_stream(mx.default_device())
+            self._jobs: queue.SimpleQueue[Launch] = queue.SimpleQueue()
+            threading.Thread(target=self._run, name="paged_prefix-launch", daemon=True).start()
+
+    @classmethod
+    def for_this_device(cls) -> StepLauncher:
+        """Threaded on a GPU, where the launch is host work; the calling thread's on the CPU."""
+        threaded = mx.default_device() == mx.gpu
+        logger.info("paged_prefix: steps are sent to the device %s", "from a thread of their "
+                    "own (MLX's encoding of a step overlaps the engine's work)" if threaded
+                    else "by the thread that builds them (MLX's CPU backend computes them "
+                    "there)")
+        return cls(threaded)
+
+    def building(self):
+        """The context a step's graph is built in: on the launcher's stream when threaded."""
+        return mx.stream(self.stream) if self.threaded else contextlib.nullcontext()
+
+    def launch(self, arrays: list[mx.array], in_thread: bool) -> Launch | None:
+        """Send `arrays` to the device; from the launcher's thread when it is threaded and
+        `in_thread` (the caller will read nothing of this step before `wait`), returning the
+        launch; else at once, on the calling thread (None)."""
+        self.wait()
+        arrays = [a for a in arrays if a is not None]
+        if not (self.threaded and in_thread):
+            mx.async_eval(arrays)
+            return None
+        # copies: the caller's next step replaces what the cache arrays it holds hold (a slice
+        # update writes through the same Python object)
+        job = Launch([a.__copy__() for a in arrays])
+        self._jobs.put(job)
+        job.started.wait()  # the thread has taken the GIL: it reads the arrays in at once
+        self._last = job
+        self.launched_in_thread += 1
+        return job
+
+    def wait(self) -> None:
+        """Until the launch in flight (if any) has been encoded; raises what it raised."""
+        job, self._last = self._last, None
+        if job is not None:
+            job.wait()
+
+    def synchronize(self) -> None:
+        """Until the device has run everything sent on the steps' stream."""
+        self.wait()
+        if self.threaded:
+            mx.synchronize(self.stream)
+        else:
+            mx.synchronize()
+
+    def _run(self) -> None:
+        while True:
+            job = self._jobs.get()
+            job.started.set()
+            try:
+                mx.async_eval(job.arrays)
+            except BaseException as error:  # handed to the thread that waits for it
+                job.error = error
+            finally:
+                job.arrays = None
+                job.done.set()
