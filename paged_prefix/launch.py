@@ -13,8 +13,10 @@ encoder any thread may use but not two at once. So a threaded launcher owns such
 the runner builds its steps on it (`building()`), and every other use of that encoder waits
 for the launch in flight: `wait()` before the next step's graph is built, before any
 evaluation or synchronization, and before the host reads a launched step's tokens. What the
-calling thread may do meanwhile is host work and creating arrays from host data (the
-allocator takes a lock).
+calling thread may do meanwhile is host work and making new arrays from host data (the
+allocator takes a lock), and it must not read or wait for an array the launch reads in: the
+launch may drop that array's completion event once it has fired, as a read would (the runner
+reads the step before's tokens before it launches the next).
 
 On MLX's CPU backend the launch is the step's computation (the cores run its matmuls):
 `StepLauncher(threaded=False)` launches on the calling thread, and `building()` and `wait()`

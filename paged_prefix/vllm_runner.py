@@ -237,11 +237,13 @@ class VllmModelRunner:
             # the step before lets go of the cache arrays (module docstring)
             self.launcher.synchronize()
         waited = time.perf_counter()
+        # the step before's tokens, read before this step's launch: that launch reads them in
+        # as inputs, and only one thread may touch an array's completion event at a time
+        requests = self._read(plan.requests)
         # from the launcher's thread when the host reads nothing of the step before the engine
         # asks for its tokens: no prompt rows to score now, no Sampler
         launch = self.launcher.launch([logits, argmax, *runner.cache_arrays()],
                                       in_thread=argmax is not None and not step.chunks)
-        requests = self._read(plan.requests)
         if plan.meta.states is not None:
             commit(self.state_ledger, plan.meta.states,
                    {r: requests[r].output_token_ids for r in plan.req_ids})
