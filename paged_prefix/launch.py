@@ -5,7 +5,9 @@ the stream's CUDA graph: 1.3-1.6 ms for the 1.1B config's 16 layers on the H200,
 docs/results.md, "H200: against mlx-lm's server"), during which the calling thread waits with
 Python's GIL released. `StepLauncher(threaded=True)` runs it on a thread of its own, so that
 the encoding overlaps what the calling thread does next: vLLM's engine taking the step
-before's output and scheduling the next, and the next step's plan.
+before's output and scheduling the next, and the next step's plan. It is opt-in
+(PAGED_PREFIX_LAUNCH_THREAD=1): the tests run it on MLX's CPU backend, and it has not yet run
+on a GPU, where it is meant to pay.
 
 MLX gives every thread its own default stream and command encoder, and a thread can evaluate
 only its own streams' ops or those of a stream made by `mx.new_thread_unsafe_stream`, whose one
@@ -18,21 +20,23 @@ allocator takes a lock), and it must not read or wait for an array the launch re
 launch may drop that array's completion event once it has fired, as a read would (the runner
 reads the step before's tokens before it launches the next).
 
-On MLX's CPU backend the launch is the step's computation (the cores run its matmuls):
-`StepLauncher(threaded=False)` launches on the calling thread, and `building()` and `wait()`
-do nothing.
+On MLX's CPU backend the launch is the step's computation (the cores run its matmuls), so a
+thread of its own buys nothing there. `StepLauncher(threaded=False)` (the default) launches on
+the calling thread, and `building()` and `wait()` do nothing.
 """
 
 from __future__ import annotations
 
 import contextlib
 import logging
+import os
 import queue
 import threading
 
 import mlx.core as mx
 
 logger = logging.getLogger(__name__)
+ENV_VAR = "PAGED_PREFIX_LAUNCH_THREAD"
 
 
 class Launch:
@@ -67,13 +71,16 @@ class StepLauncher:
             threading.Thread(target=self._run, name="paged_prefix-launch", daemon=True).start()
 
     @classmethod
-    def for_this_device(cls) -> StepLauncher:
-        """Threaded on a GPU, where the launch is host work; the calling thread's on the CPU."""
-        threaded = mx.default_device() == mx.gpu
-        logger.info("paged_prefix: steps are sent to the device %s", "from a thread of their "
-                    "own (MLX's encoding of a step overlaps the engine's work)" if threaded
-                    else "by the thread that builds them (MLX's CPU backend computes them "
-                    "there)")
+    def from_env(cls) -> StepLauncher:
+        """Threaded where PAGED_PREFIX_LAUNCH_THREAD=1; logged either way."""
+        setting = os.environ.get(ENV_VAR, "")
+        if setting not in ("", "0", "1"):
+            raise ValueError(f"{ENV_VAR}: expected 0 or 1 (or unset), got {setting!r}")
+        threaded = setting == "1"
+        logger.info("paged_prefix: steps are sent to the device %s", f"from a thread of their "
+                    f"own ({ENV_VAR}=1: MLX's encoding of a step overlaps the engine's work)"
+                    if threaded else f"by the thread that builds them ({ENV_VAR}=1 sends "
+                    "them from a thread of their own)")
         return cls(threaded)
 
     def building(self):

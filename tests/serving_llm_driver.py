@@ -69,6 +69,7 @@ def main(model: str, caching: str, scheduling: str) -> None:
                                  "hot_logprobs": hot_logprobs, "async_scheduling": scheduling,
                                  "on_device": on_device,
                                  "steps_sampled_on_device": runner.steps_sampled_on_device,
+                                 "launched_in_thread": runner.launcher.launched_in_thread,
                                  "mlx_cache_limit": cache_limit,
                                  "activation_bytes": worker._activation_bytes,
                                  "cached_at_end": cached_at_end}))

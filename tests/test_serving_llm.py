@@ -4,7 +4,9 @@ Greedy tokens are identical with prefix caching off and on, on a second pass tha
 first pass's blocks, and to mlx-lm's own generation with its contiguous prompt cache;
 logprobs equal log_softmax of mlx-lm's logits; seeded sampling repeats for a seed and
 differs across seeds. vLLM runs in child processes (`serving_llm_driver.py`): caching off
-with synchronous scheduling, caching on with asynchronous scheduling (vLLM's default).
+with synchronous scheduling, caching on with asynchronous scheduling (vLLM's default), and
+that again with every greedy step sent to the device from the runner's launch thread
+(PAGED_PREFIX_LAUNCH_THREAD=1).
 """
 
 from __future__ import annotations
@@ -30,9 +32,10 @@ LOGPROB_ATOL = 1e-3
 SETTINGS = {"off": "sync", "on": "async"}  # prefix caching -> scheduling
 
 
-def run_driver(model: Path, caching: str) -> dict:
+def run_driver(model: Path, caching: str, **env: str) -> dict:
     proc = subprocess.run([sys.executable, str(DRIVER), str(model), caching, SETTINGS[caching]],
-                          env=child_env(), capture_output=True, text=True, timeout=900)
+                          env={**child_env(), **env}, capture_output=True, text=True,
+                          timeout=900)
     lines = [line for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
     assert proc.returncode == 0 and lines, f"driver failed ({proc.returncode}):\n{proc.stderr[-4000:]}"
     assert "Traceback" not in proc.stderr, f"driver logged an error:\n{proc.stderr[-4000:]}"
@@ -70,6 +73,22 @@ def mlx_lm_greedy(model_dir, runs) -> list[dict]:
             logits = model(mx.array([[tokens[-1]]]), cache=cache)[0, -1]
         out.append({"token_ids": tokens, "logprobs": logprobs})
     return out
+
+
+@pytest.fixture(scope="module")
+def threaded(model_dir) -> dict:
+    return run_driver(model_dir, "on", PAGED_PREFIX_LAUNCH_THREAD="1")
+
+
+def test_steps_sent_from_the_launch_thread_give_the_same_tokens(runs, threaded):
+    """Every step sampled on the device goes out from the launch thread (launch.py), the
+    others from the engine's; every pass gives the tokens of the run without it, which the
+    tests below hold to mlx-lm's."""
+    assert threaded["launched_in_thread"] == threaded["steps_sampled_on_device"] >= GREEDY_TOKENS
+    assert runs["on"]["launched_in_thread"] == runs["off"]["launched_in_thread"] == 0
+    assert [tokens(threaded, i) for i in (0, 1)] == [tokens(runs["on"], i) for i in (0, 1)]
+    assert threaded["on_device"] == runs["on"]["on_device"]
+    assert threaded["seeded"] == runs["on"]["seeded"]
 
 
 def test_greedy_rows_sampled_on_the_device_give_the_samplers_tokens(runs):

@@ -9,10 +9,10 @@ greedy request at a time, each a new seeded prompt of token ids, every run in a 
 own (vLLM fixes its platform once a process), one after the other:
   vllm async   vllm.LLM in this process (no API server), prefix caching on, asynchronous
                scheduling (vLLM's default): each step is scheduled and built before the
-               engine takes the step before's tokens; on a GPU each step is sent to the device
-               from the runner's launch thread (paged_prefix/launch.py);
-  vllm async, launched here
-               the same with every step sent by the thread that built it (as on the CPU);
+               engine takes the step before's tokens;
+  vllm async, launch thread
+               the same with PAGED_PREFIX_LAUNCH_THREAD=1: each step sent to the device from
+               the runner's launch thread (paged_prefix/launch.py);
   vllm sync    asynchronous scheduling off;
   mlx-lm       mlx_lm's generate_step over its own cache (it builds token n + 1's graph while
                token n runs).
@@ -38,7 +38,7 @@ from pathlib import Path
 from bench.probes import child
 from bench.ttft_breakdown import steps_of
 
-RUNS = ("vllm async", "vllm async, launched here", "vllm sync", "mlx-lm")
+RUNS = ("vllm async", "vllm async, launch thread", "vllm sync", "mlx-lm")
 
 
 def prompts(args: argparse.Namespace, vocab: int) -> list[list[int]]:
@@ -56,10 +56,9 @@ def run_vllm(model: str, args: argparse.Namespace, run: str) -> dict:
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
     from vllm import LLM, SamplingParams
 
-    from paged_prefix.launch import StepLauncher
+    from paged_prefix import launch
 
-    if run.endswith("launched here"):  # the worker (in this process) takes this launcher
-        StepLauncher.for_this_device = classmethod(lambda cls: cls(False))
+    os.environ[launch.ENV_VAR] = "1" if run.endswith("launch thread") else "0"
 
     lines: list[str] = []
 

@@ -1,0 +1,76 @@
+"""The step launcher (`paged_prefix/launch.py`): its setting, the launch thread's results and
+errors. The runner's tokens with it are checked in test_serving_runner.py and, through vLLM's
+engine, in test_serving_llm.py."""
+
+from __future__ import annotations
+
+import logging
+
+import mlx.core as mx
+import numpy as np
+import pytest
+
+from paged_prefix import launch
+from paged_prefix.launch import StepLauncher
+
+
+@pytest.mark.parametrize(("setting", "threaded"), [(None, False), ("0", False), ("1", True)])
+def test_the_setting_picks_the_launch_thread_and_says_so(monkeypatch, caplog, setting, threaded):
+    if setting is None:
+        monkeypatch.delenv(launch.ENV_VAR, raising=False)
+    else:
+        monkeypatch.setenv(launch.ENV_VAR, setting)
+    with caplog.at_level(logging.INFO, logger="paged_prefix.launch"):
+        launcher = StepLauncher.from_env()
+    assert launcher.threaded is threaded
+    assert ("from a thread of their own" if threaded else "by the thread that builds them") \
+        in caplog.text
+
+
+@pytest.mark.parametrize("setting", ["yes", "2", " 1"])
+def test_a_bad_setting_is_refused_naming_it(monkeypatch, setting):
+    monkeypatch.setenv(launch.ENV_VAR, setting)
+    with pytest.raises(ValueError, match=launch.ENV_VAR):
+        StepLauncher.from_env()
+    with pytest.raises(ValueError, match="threaded"):
+        StepLauncher(1)
+
+
+def test_a_step_built_on_the_stream_runs_from_the_thread_and_writes_in_place():
+    """A graph built on the launcher's stream is evaluated from its thread; the caller's next
+    write into the array it sent (through the same Python object) reaches the next step only,
+    and the launch's copy of the array it read in holds the step's own result."""
+    launcher = StepLauncher(True)
+    cache = mx.zeros((4, 3))
+    mx.eval(cache)
+    sent = []
+    for step in range(4):
+        with launcher.building():
+            cache[step] = mx.full((3,), step + 1.0)
+            total = cache.sum()
+        job = launcher.launch([total, cache, None], in_thread=True)
+        assert job is not None
+        sent.append(total)
+    launcher.synchronize()
+    assert [t.item() for t in sent] == [3.0, 9.0, 18.0, 30.0]
+    np.testing.assert_array_equal(np.array(cache), np.repeat([[1.0], [2.0], [3.0], [4.0]], 3, 1))
+    assert launcher.launched_in_thread == 4
+
+
+def test_a_failed_launch_raises_in_the_waiting_thread(monkeypatch):
+    launcher = StepLauncher(True)
+
+    def fails(*arrays):
+        raise RuntimeError("planted launch failure")
+    monkeypatch.setattr(mx, "async_eval", fails)
+    with launcher.building():
+        x = mx.ones((2,)) + 1
+    job = launcher.launch([x], in_thread=True)
+    with pytest.raises(RuntimeError, match="planted launch failure"):
+        launcher.wait()
+    with pytest.raises(RuntimeError, match="planted launch failure"):
+        job.wait()  # the step's reader (a SampledOnDevice) is told too
+    monkeypatch.undo()
+    launcher.wait()  # reported once to the launcher: the next step goes on
+    assert launcher.launch([x], in_thread=False) is None
+    np.testing.assert_array_equal(np.array(x), [2.0, 2.0])
