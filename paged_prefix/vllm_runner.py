@@ -19,7 +19,9 @@ while the device still runs this one: under vLLM's asynchronous scheduling (its 
 engine schedules the next step before it takes this one's output, so the host's work
 (scheduling, the metadata, the graph) overlaps the device's. A step is launched only once the
 one before has finished: MLX holds a running step's arrays, and a cache write into an array it
-holds would copy the whole array (`runner._release_last_step`). A request that asks for prompt
+holds would copy the whole array (`runner._release_last_step`). The step launcher
+(`launch.py`) sends it, by the engine's thread or, with PAGED_PREFIX_LAUNCH_THREAD=1, a step
+sampled on the device from a thread of its own. A request that asks for prompt
 logprobs has its prompt rows scored right after each forward of its prompt
 (`prompt_logprobs.py`); they go out whole with the step that computes its last prompt token.
 
@@ -205,7 +207,7 @@ class VllmModelRunner:
         runner = self._core("execute_model")
         if self._pending is not None:
             raise ValueError("sample_tokens: the previous forward's tokens were never sampled")
-        # the step's arrays on the launcher's stream, from the host data of its metadata on
+        # every array of the step on the launcher's stream (launch.py), its metadata's too
         with self.launcher.building():
             return self._forward(runner, scheduler_output)
 
