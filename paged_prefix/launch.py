@@ -32,6 +32,7 @@ import logging
 import os
 import queue
 import threading
+import weakref
 
 import mlx.core as mx
 
@@ -67,8 +68,10 @@ class StepLauncher:
         self.stream = None
         if threaded:
             self.stream = mx.new_thread_unsafe_stream(mx.default_device())
-            self._jobs: queue.SimpleQueue[Launch] = queue.SimpleQueue()
-            threading.Thread(target=self._run, name="paged_prefix-launch", daemon=True).start()
+            self._jobs: queue.SimpleQueue[Launch | None] = queue.SimpleQueue()
+            threading.Thread(target=_serve, args=(self._jobs,), name="paged_prefix-launch",
+                             daemon=True).start()
+            weakref.finalize(self, self._jobs.put, None)  # the thread ends with its launcher
 
     @classmethod
     def from_env(cls) -> StepLauncher:
@@ -119,14 +122,15 @@ class StepLauncher:
         else:
             mx.synchronize()
 
-    def _run(self) -> None:
-        while True:
-            job = self._jobs.get()
-            job.started.set()
-            try:
-                mx.async_eval(job.arrays)
-            except BaseException as error:  # handed to the thread that waits for it
-                job.error = error
-            finally:
-                job.arrays = None
-                job.done.set()
+
+def _serve(jobs: queue.SimpleQueue[Launch | None]) -> None:
+    """The launch thread: each job's `async_eval`, until the launcher is gone (None)."""
+    while (job := jobs.get()) is not None:
+        job.started.set()
+        try:
+            mx.async_eval(job.arrays)
+        except BaseException as error:  # handed to the thread that waits for it
+            job.error = error
+        finally:
+            job.arrays = None
+            job.done.set()

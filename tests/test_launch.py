@@ -4,7 +4,9 @@ engine, in test_serving_llm.py."""
 
 from __future__ import annotations
 
+import gc
 import logging
+import threading
 
 import mlx.core as mx
 import numpy as np
@@ -74,3 +76,19 @@ def test_a_failed_launch_raises_in_the_waiting_thread(monkeypatch):
     launcher.wait()  # reported once to the launcher: the next step goes on
     assert launcher.launch([x], in_thread=False) is None
     np.testing.assert_array_equal(np.array(x), [2.0, 2.0])
+
+
+def test_the_launch_thread_ends_with_its_launcher():
+    def launch_threads() -> set[threading.Thread]:
+        return {t for t in threading.enumerate() if t.name == "paged_prefix-launch"}
+    before = launch_threads()
+    launcher = StepLauncher(True)
+    with launcher.building():
+        x = mx.ones((2,)) * 3
+    launcher.launch([x], in_thread=True)
+    (thread,) = launch_threads() - before
+    del launcher
+    gc.collect()
+    thread.join(timeout=10)
+    assert not thread.is_alive()
+    np.testing.assert_array_equal(np.array(x), [3.0, 3.0])  # its last launch ran
