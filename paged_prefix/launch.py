@@ -80,10 +80,14 @@ class StepLauncher:
         if setting not in ("", "0", "1"):
             raise ValueError(f"{ENV_VAR}: expected 0 or 1 (or unset), got {setting!r}")
         threaded = setting == "1"
-        logger.info("paged_prefix: steps are sent to the device %s", f"from a thread of their "
-                    f"own ({ENV_VAR}=1: MLX's encoding of a step overlaps the engine's work)"
-                    if threaded else f"by the thread that builds them ({ENV_VAR}=1 sends "
-                    "them from a thread of their own)")
+        if threaded:
+            logger.info("paged_prefix: steps sampled on the device are sent to it from a thread "
+                        "of their own (%s=1: MLX's encoding of a step overlaps the engine's "
+                        "work); other steps by the thread that builds them", ENV_VAR)
+        else:
+            logger.info("paged_prefix: steps are sent to the device by the thread that builds "
+                        "them (%s=1 sends steps sampled on the device from a thread of their "
+                        "own)", ENV_VAR)
         return cls(threaded)
 
     def building(self):

@@ -25,8 +25,8 @@ def test_the_setting_picks_the_launch_thread_and_says_so(monkeypatch, caplog, se
     with caplog.at_level(logging.INFO, logger="paged_prefix.launch"):
         launcher = StepLauncher.from_env()
     assert launcher.threaded is threaded
-    assert ("from a thread of their own" if threaded else "by the thread that builds them") \
-        in caplog.text
+    assert ("sent to it from a thread of their own" if threaded else
+            "sent to the device by the thread that builds them") in caplog.text
 
 
 @pytest.mark.parametrize("setting", ["yes", "2", " 1"])
