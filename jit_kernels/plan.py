@@ -38,6 +38,7 @@ FIRST_SLOT, NUM_SPLITS).
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import cached_property
 
 import mlx.core as mx
 import numpy as np
@@ -68,12 +69,17 @@ class TilePlan:
     """One forward's work list for one (group, kv heads, tile shape) variant."""
 
     work: mx.array  # int32 [num_items, len(work_columns(windowed))]
-    merge: mx.array | None  # int32 [num_tiles, MERGE_COLS]; None when nothing is split
     num_items: int
     num_tiles: int
     num_slots: int  # partial slots: one per item of a split tile
     work_host: np.ndarray
-    merge_host: np.ndarray | None
+    merge_host: np.ndarray | None  # int32 [num_tiles, MERGE_COLS]; None when nothing is split
+
+    @cached_property
+    def merge(self) -> mx.array | None:
+        """The merge list on the device, made when a kernel first reads it (Metal's merge
+        launch; the CUDA kernel merges inside its attention launch and never reads it)."""
+        return None if self.merge_host is None else mx.array(self.merge_host)
 
 
 def _query_tiles(cu_seqlens_q: np.ndarray, seq_lens: np.ndarray, group: int, num_kv_heads: int,
@@ -165,7 +171,6 @@ def build_tile_plan(
         merge_host.flags.writeable = False
     return TilePlan(
         work=mx.array(work),
-        merge=None if merge_host is None else mx.array(merge_host),
         num_items=len(work),
         num_tiles=len(seq),
         num_slots=int(slots_per_tile.sum()),
