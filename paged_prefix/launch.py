@@ -18,7 +18,10 @@ evaluation or synchronization, and before the host reads a launched step's token
 calling thread may do meanwhile is host work and making new arrays from host data (the
 allocator takes a lock), and it must not read or wait for an array the launch reads in: the
 launch may drop that array's completion event once it has fired, as a read would (the runner
-reads the step before's tokens before it launches the next).
+reads the step before's tokens before it launches the next). Code outside the runner that
+reads a step's arrays (a test reading the cache after `run_forward`) calls `wait()` first: a
+read racing the launch thread evaluates the same graph twice at once, which crashed MLX's CPU
+backend (a segfault in its matmul) when a test did it.
 
 On MLX's CPU backend the launch is the step's computation (the cores run its matmuls), so a
 thread of its own buys nothing there. `StepLauncher(threaded=False)` (the default) launches on

@@ -154,3 +154,20 @@ def test_server_refuses_to_start_without_room_for_one_sequence(tmp_path, args, m
         with VllmServer(smollm2(), ["--max-model-len", "2048", *args], tmp_path / "server.log"):
             pass
     assert message in (tmp_path / "server.log").read_text(), str(error.value)
+
+
+def test_the_worker_waits_for_a_step_being_sent_before_it_syncs_or_stops():
+    """With the launch thread (launch.py) a step may still be going out when vLLM asks the
+    worker to synchronize or to shut down: it waits for the runner's launcher first."""
+    from types import SimpleNamespace
+
+    from paged_prefix.vllm_plugin.worker import MLXWorker
+
+    calls = []
+    launcher = SimpleNamespace(synchronize=lambda: calls.append("synchronize"),
+                               wait=lambda: calls.append("wait"))
+    worker = object.__new__(MLXWorker)  # no device, no model: only the runner's launcher
+    worker.runner = SimpleNamespace(launcher=launcher)
+    worker.synchronize_device()
+    worker.shutdown()
+    assert calls == ["synchronize", "wait"] and worker.runner is None

@@ -19,6 +19,7 @@ from vllm.config import SchedulerConfig, VllmConfig
 from vllm.v1.core.sched.output import NewRequestData
 
 from bench import ttft_breakdown
+from paged_prefix import launch
 from paged_prefix.engine import Engine, EngineConfig
 from paged_prefix.kv_groups import kv_cache_config, layer_specs
 from paged_prefix.launch import StepLauncher
@@ -30,6 +31,14 @@ from tests.scheduler_outputs import cached, new, step
 BS, NUM_BLOCKS = 16, 32
 CONFIG = resolve_config("llama-test")
 VOCAB = CONFIG["vocab_size"]
+
+
+@pytest.fixture(autouse=True, params=["0", "1"], ids=["launched here", "launch thread"])
+def launch_setting(request, monkeypatch) -> str:
+    """Every test of the step twice: steps sent by the engine's thread (the default), and
+    steps sampled on the device sent from the launch thread (PAGED_PREFIX_LAUNCH_THREAD=1)."""
+    monkeypatch.setenv(launch.ENV_VAR, request.param)
+    return request.param
 
 
 def make_runner(vllm_config: VllmConfig | None = None, config: dict = CONFIG,
@@ -47,6 +56,7 @@ def state(runner: VllmModelRunner):
     the runner's per-request state, less the sampling objects) and every cache row."""
     requests = {r: {k: copy.deepcopy(v) for k, v in vars(s).items()
                     if k not in ("params", "generator")} for r, s in runner.requests.items()}
+    runner.launcher.wait()  # a step sent from the launch thread is read once it has been sent
     return requests, [np.array(a) for a in runner.runner.kv_cache.arrays()]
 
 
@@ -221,6 +231,7 @@ def test_writes_stay_inside_the_scheduled_rows_under_the_real_scheduler():
     forward = runner.run_forward
 
     def rows():  # each array with its rows first (a heads-major cache has them on axis 1)
+        runner.launcher.wait()  # with the launch thread: once the step has been sent
         cache = runner.runner.kv_cache
         return [np.moveaxis(np.array(a), 1, 0) if cache.heads_major else np.array(a)
                 for a in cache.arrays()]
@@ -358,13 +369,12 @@ def test_debug_log_says_where_each_steps_time_goes(caplog):
     assert steps[0].start < steps[0].end <= steps[1].start < steps[1].end
 
 
-@pytest.mark.parametrize("threaded", [False, True], ids=["launched here", "launch thread"])
-def test_pending_tokens_are_read_on_the_device_in_any_row_order(threaded):
+def test_pending_tokens_are_read_on_the_device_in_any_row_order(launch_setting):
     """The next forward reads each pending token from the device, whether the step lists its
     requests in the order they were sampled (the tokens as they are), in another order (taken
     by row), or beside a new request's prompt rows (the host's ids kept there): the tokens are
-    those of a runner whose every step goes through vLLM's Sampler, on the host. Sent from the
-    launcher's thread (as on a GPU), every step is, and gives the same tokens."""
+    those of a runner whose every step goes through vLLM's Sampler, on the host. With the
+    launch thread, every one of those steps is sent from it."""
     prompts = {"a": list(range(3, 23)), "b": list(range(40, 52)), "c": list(range(60, 70))}
     steps = [
         step({"a": 20, "b": 12}, [new("a", prompts["a"], ([1, 2],)),
@@ -376,7 +386,7 @@ def test_pending_tokens_are_read_on_the_device_in_any_row_order(threaded):
         step({"a": 1, "b": 1, "c": 1}, cached_reqs=cached(["a", "b", "c"], [None] * 3,
                                                           [22, 14, 11])),
     ]
-    on_device, on_host = make_runner(launcher=StepLauncher(threaded)), make_runner()
+    on_device, on_host = make_runner(), make_runner()
     on_host_steps = [step({"a": 20, "b": 12}, [new("a", prompts["a"], ([1, 2],)),
                                                new("b", prompts["b"], ([3],), logprobs=1)]),
                      *steps[1:]]
@@ -385,7 +395,7 @@ def test_pending_tokens_are_read_on_the_device_in_any_row_order(threaded):
         assert isinstance(on_device.sample_tokens(None), SampledOnDevice)
         on_host.execute_model(host_so)
     assert on_device.steps_sampled_on_device == 4 and on_host.steps_sampled_on_device == 0
-    assert on_device.launcher.launched_in_thread == (4 if threaded else 0)
+    assert on_device.launcher.launched_in_thread == (4 if launch_setting == "1" else 0)
     assert on_host.launcher.launched_in_thread == 0
     read = on_device._read(on_device.requests)  # with the last step's tokens
     assert {r: s.output_token_ids for r, s in read.items()} == \

@@ -215,6 +215,8 @@ class MLXWorker(WorkerBase):
         return ("generate",)
 
     def synchronize_device(self) -> None:
+        if self.runner is not None:  # its steps' stream too, once a step in flight is sent
+            self.runner.launcher.synchronize()
         mx.synchronize()
 
     # -- refused features (the platform refuses them at startup already) ---------------------
@@ -231,5 +233,7 @@ class MLXWorker(WorkerBase):
         return set()
 
     def shutdown(self) -> None:
+        if self.runner is not None:
+            self.runner.launcher.wait()  # nothing is freed under a step being sent
         self.runner = None
         mx.clear_cache()
