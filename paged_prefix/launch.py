@@ -124,10 +124,7 @@ class StepLauncher:
     def synchronize(self) -> None:
         """Until the device has run everything sent on the steps' stream."""
         self.wait()
-        if self.threaded:
-            mx.synchronize(self.stream)
-        else:
-            mx.synchronize()
+        mx.synchronize(self.stream)  # None: the calling thread's default stream
 
 
 def _serve(jobs: queue.SimpleQueue[Launch | None]) -> None:

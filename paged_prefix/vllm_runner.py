@@ -87,11 +87,10 @@ TORCH_TO_MLX = {torch.float16: mx.float16, torch.bfloat16: mx.bfloat16, torch.fl
 
 class VllmModelRunner:
     def __init__(self, model: nn.Module, dispatcher: Dispatcher | None = None,
-                 vllm_config: VllmConfig | None = None, launcher: StepLauncher | None = None):
-        """`launcher`: who sends steps to the device (default: `StepLauncher.from_env`)."""
+                 vllm_config: VllmConfig | None = None):
         self.model = model
         self.dispatcher = dispatcher
-        self.launcher = launcher or StepLauncher.from_env()
+        self.launcher = StepLauncher.from_env()  # who sends steps to the device (launch.py)
         self.vocab_size = model.args.vocab_size
         self.sampler = BatchSampler(self.vocab_size, vllm_config or VllmConfig())
         self.runner: PagedModelRunner | None = None

@@ -22,7 +22,6 @@ from bench import ttft_breakdown
 from paged_prefix import launch
 from paged_prefix.engine import Engine, EngineConfig
 from paged_prefix.kv_groups import kv_cache_config, layer_specs
-from paged_prefix.launch import StepLauncher
 from paged_prefix.models import build_model, resolve_config
 from paged_prefix.requests import PENDING_TOKEN
 from paged_prefix.vllm_runner import SampledOnDevice, VllmModelRunner
@@ -41,10 +40,8 @@ def launch_setting(request, monkeypatch) -> str:
     return request.param
 
 
-def make_runner(vllm_config: VllmConfig | None = None, config: dict = CONFIG,
-                launcher: StepLauncher | None = None) -> VllmModelRunner:
-    runner = VllmModelRunner(build_model(config, mx.float32, seed=0), vllm_config=vllm_config,
-                             launcher=launcher)
+def make_runner(vllm_config: VllmConfig | None = None, config: dict = CONFIG) -> VllmModelRunner:
+    runner = VllmModelRunner(build_model(config, mx.float32, seed=0), vllm_config=vllm_config)
     specs = layer_specs(runner.layer_windows(), BS, config["num_key_value_heads"],
                         config["head_dim"], torch.float32)
     runner.initialize_kv_cache(kv_cache_config(vllm_config or VllmConfig(), specs, NUM_BLOCKS))
