@@ -139,6 +139,29 @@ def test_preempted_requests_resume_in_chunks_without_sampling_early(async_schedu
 
 
 @SCHEDULING
+def test_a_hit_on_the_block_a_decode_step_fills_with_a_token_sampled_on_the_device(
+        async_scheduling):
+    """A's decode fills its second block with the token it sampled (on the device) the step
+    before. Synchronous scheduling has taken that token, so vLLM hands the block to R, whose
+    prompt is A's tokens so far plus more, as a cached prefix in that same step: the runner
+    checks the hit against the token, not its placeholder (it refused the step once). Under
+    asynchronous scheduling the token is not known yet, and R hits the first block only."""
+    rng = np.random.default_rng(5)
+    a = rng.integers(3, 512, 20).tolist()
+    alone = run_alone({"a": a}, 24)["a"]
+    r = a + alone[:12] + rng.integers(3, 512, 10).tolist()  # A's tokens at positions 0 .. 31
+    engine = Engine(EngineConfig(**{**BASE, "async_scheduling": async_scheduling}))
+    engine.add_request("a", a, 24)
+    for _ in range(12):  # the 13th step writes position 31, the last of A's second block
+        engine.step()
+    engine.add_request("r", r, 8)
+    engine.run_to_completion()
+    assert engine.results["r"].cached_tokens == (16 if async_scheduling else 32)
+    assert outputs(engine) == {"a": alone, "r": run_alone({"r": r}, 8)["r"]}
+    check_overlap(engine)
+
+
+@SCHEDULING
 @pytest.mark.parametrize("seed", range(8))
 def test_stress_tight_pools_small_budgets_preemption_and_aborts(seed, async_scheduling):
     """Random workloads with shared prefixes on a pool too small for them all, token budgets
