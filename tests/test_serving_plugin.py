@@ -71,6 +71,10 @@ def test_platform_refuses_what_the_runner_cannot_do():
      "--offload-group-size"),
     (lambda c: setattr(c.cache_config, "kv_sharing_fast_prefill", True),
      "--kv-sharing-fast-prefill"),
+    (lambda c: setattr(c, "watermark_config", object()), "--watermark-config"),
+    (lambda c: setattr(c.aux_output_config, "enable_return_routed_experts", True),
+     "--enable-return-routed-experts"),
+    (lambda c: setattr(c, "diffusion_config", object()), "--diffusion-config"),
 ])
 def test_platform_refuses_flags_the_worker_does_not_implement(setting, flag):
     """At config time, naming the flag: not deep in engine start-up (a KV connector asks the

@@ -61,6 +61,13 @@ def _refused_feature(vllm_config: VllmConfig) -> str | None:
         "layer offloading (--offload-group-size)": offload.prefetch.offload_group_size > 0,
         "sleep mode (--enable-sleep-mode)": model is not None and model.enable_sleep_mode,
         "KV sharing fast prefill (--kv-sharing-fast-prefill)": cache.kv_sharing_fast_prefill,
+        # vLLM runs these in its own (V2) model runner only: here requests would be served
+        # without the watermark, or without the experts they asked for
+        "text watermarking (--watermark-config)":
+            getattr(vllm_config, "watermark_config", None) is not None,
+        "routed-experts outputs (--enable-return-routed-experts)":
+            vllm_config.aux_output_config.enable_return_routed_experts,
+        "diffusion decoding (--diffusion-config)": vllm_config.diffusion_config is not None,
     }
     return next((name for name, on in features.items() if on), None)
 
