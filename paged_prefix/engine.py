@@ -32,6 +32,7 @@ from vllm.v1.structured_output import StructuredOutputManager
 from .dispatch import Dispatcher
 from .kv_groups import blocks_held, kv_cache_config, layer_specs
 from .models import build_model, hf_config, resolve_config
+from .runner import attention_of
 from .validate import as_int, as_ints
 from .vllm_runner import TORCH_TO_MLX, VllmModelRunner
 
@@ -77,6 +78,11 @@ class Engine:
         model_cfg = resolve_config(config.model)
         torch_dtype = DTYPES[config.dtype]
         model = build_model(model_cfg, TORCH_TO_MLX[torch_dtype], config.seed)
+        layers = [a for a in attention_of(model)[1] if a is not None]
+        if len(layers) != len(model.layers):
+            raise ValueError(f"model: {model_cfg['model_type']!r} is a hybrid model, whose "
+                             "recurrent layers keep their states in vLLM's mamba groups: serve "
+                             "it with vLLM's own engine (vllm.LLM, vllm serve)")
         self.vocab_size = model_cfg["vocab_size"]
         self._folder = tempfile.TemporaryDirectory(prefix="paged_prefix_")  # removed with self
         folder = hf_config(model_cfg, Path(self._folder.name), config.dtype)
@@ -94,7 +100,7 @@ class Engine:
         self.runner = VllmModelRunner(model, Dispatcher(config.attention), vllm_config)
         # the layers' specs grouped and sized as vLLM's engine core does (the worker's path)
         specs = layer_specs(self.runner.layer_windows(), config.block_size,
-                            model_cfg["num_key_value_heads"], model_cfg["head_dim"], torch_dtype)
+                            layers[0].num_kv_heads, layers[0].head_dim, torch_dtype)
         kv_config = kv_cache_config(vllm_config, specs, config.num_blocks)
         vllm_config.cache_config.num_gpu_blocks = config.num_blocks
         self.scheduler = vllm_config.scheduler_config.get_scheduler_cls()(

@@ -173,6 +173,10 @@ class VllmModelRunner:
         # the runner's tree from here on: the caller's would keep the q/k/v and gate/up arrays
         # alive beside the runner's stacks of them
         self.model = self.runner.model
+        # every array of it, not only the parameters (mlx-lm's Llama3RoPE and YarnRoPE keep
+        # their frequencies lazily): one left lazy belongs to this thread's stream, which the
+        # launch thread may not evaluate (launch.py)
+        mx.eval(self.model)
         self._limits = limits
 
     def warm_up_limit(self) -> int:

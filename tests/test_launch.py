@@ -92,3 +92,24 @@ def test_the_launch_thread_ends_with_its_launcher():
     thread.join(timeout=10)
     assert not thread.is_alive()
     np.testing.assert_array_equal(np.array(x), [3.0, 3.0])  # its last launch ran
+
+
+@pytest.mark.parametrize("model", ["llama3-test", "gpt-oss-test"])
+def test_a_model_holding_lazy_arrays_beside_its_weights_launches_from_the_thread(
+        monkeypatch, model):
+    """mlx-lm's Llama3RoPE and YarnRoPE keep their frequencies as arrays that are not
+    parameters, built lazily on the thread that made the model: the runner evaluates its whole
+    tree before any launch (the launch thread may not evaluate another thread's stream: a first
+    step failed so). Tokens as launched by the engine's thread."""
+    from paged_prefix.engine import Engine, EngineConfig
+
+    tokens = {}
+    for setting in ("0", "1"):
+        monkeypatch.setenv(launch.ENV_VAR, setting)
+        engine = Engine(EngineConfig(model=model, num_blocks=64, max_model_len=256))
+        engine.add_request("a", list(range(3, 30)), 5)
+        engine.run_to_completion()
+        tokens[setting] = engine.results["a"].output_ids
+        forwards = engine.runner.runner.stats.forwards  # each samples greedily, on the device
+        assert engine.runner.launcher.launched_in_thread == (forwards if setting == "1" else 0)
+    assert tokens["1"] == tokens["0"] and len(tokens["0"]) == 5

@@ -217,3 +217,17 @@ def test_requests_that_can_never_run_fail_at_once(prompt, max_tokens, match):
     with pytest.raises(ValueError, match=match):
         engine.add_request("x", prompt, max_tokens)
     assert not engine.has_unfinished()
+
+
+def test_the_engine_takes_heads_from_the_model_and_refuses_hybrid_models():
+    """Mixtral's config gives no head_dim (its class derives it): the loop reads heads and
+    head dim from the model's attention. A hybrid model's states need vLLM's mamba groups,
+    which this loop does not build: refused, naming the model."""
+    engine = Engine(EngineConfig(**{**BASE, "model": "mixtral-test"}))
+    prompts = shared_prompts(2, 40, 7, seed=6)
+    for req_id, prompt in prompts.items():
+        engine.add_request(req_id, prompt, 4)
+    engine.run_to_completion()
+    assert all(len(r.output_ids) == 4 for r in engine.results.values())
+    with pytest.raises(ValueError, match="model: 'lfm2' is a hybrid model"):
+        Engine(EngineConfig(**{**BASE, "model": "lfm2-test"}))
