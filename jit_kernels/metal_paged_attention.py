@@ -21,6 +21,8 @@ from __future__ import annotations
 
 import functools
 import math
+import numbers
+import sys
 from dataclasses import dataclass
 
 import mlx.core as mx
@@ -93,15 +95,30 @@ class MetalPagedAttention(PagedAttentionKernel):
     def tile_rows(self, geometry: Geometry) -> tuple[int, ...]:
         return (BLOCK_Q,)
 
+    def canary_plannings(self, geometry: Geometry) -> tuple[dict, ...]:
+        # At a large group the canary's case fills GPU_CORES query tiles and splits nothing:
+        # one more planning splits every tile, so the merge kernel is built and checked too.
+        return super().canary_plannings(geometry) + ({"block_m": BLOCK_Q, "split_kv_tiles": 1},)
+
     def plan(self, lengths: Lengths, geometry: Geometry, block_tables: mx.array, seqs=None,
-             block_m: int | None = None) -> MetalAttentionPlan:
-        """`block_m`: one of `tile_rows` (there is one)."""
+             block_m: int | None = None,
+             split_kv_tiles: int | None = None) -> MetalAttentionPlan:
+        """`block_m`: one of `tile_rows` (there is one). `split_kv_tiles`: split every query
+        tile's keys, however many tiles the plan has, into parts of at least this many kv
+        tiles (the canary's check of the merge); None splits only the plans with fewer than
+        GPU_CORES tiles."""
         refuse_unsupported(self, geometry)
         self._block_m(block_m, geometry)
+        if split_kv_tiles is not None and (isinstance(split_kv_tiles, bool) or not isinstance(
+                split_kv_tiles, numbers.Integral) or split_kv_tiles < 1):
+            raise ValueError(f"split_kv_tiles: a positive int, not {split_kv_tiles!r}")
         g, seqs = geometry, lengths.seqs(seqs)
+        split = {} if split_kv_tiles is None else dict(min_chunk=int(split_kv_tiles),
+                                                        min_items=sys.maxsize)
         tiles = tile_plan.build_tile_plan(lengths.cu_seqlens_q, lengths.seq_lens, g.group,
                                           g.num_kv_heads, BLOCK_Q, BLOCK_N[g.head_dim],
-                                          GPU_CORES, seqs=np.asarray(seqs), window=g.window)
+                                          GPU_CORES, seqs=np.asarray(seqs), window=g.window,
+                                          **split)
         feature_inputs = ()
         if g.softcap is not None:  # tanh takes the natural-unit logit over the cap
             qk_scale = g.scale / g.softcap

@@ -110,6 +110,13 @@ def oracle64(q, k_seqs, v_seqs, cu_seqlens_q, scale, window=None, softcap=None,
     return out
 
 
+def window_edge_case(window: int) -> tuple[list[int], list[int]]:
+    """(q_lens, ctx_lens): decode rows whose first visible key is the second of a kv tile of
+    16, 32 or 64 keys (contexts = W mod 64), and a chunk beside them: the key just left of the
+    window shares the edge tile and must be masked (for W = 32 or 64)."""
+    return [1, 1, 5], [window + 128, window + 64, window + 60]
+
+
 class PagedCase:
     """Random q and K/V written onto shuffled pages of a NaN-poisoned cache.
 
@@ -119,14 +126,14 @@ class PagedCase:
     ones, with an unowned (NaN) block before and after it; an int n > 1, n such runs.
     `pages[s]`, where not None, lists sequence s's blocks (as offsets past all others). `k_ramp`
     scales key p of a sequence of n by 1 + k_ramp p / n: late keys' scores far above early
-    ones' (split parts that disagree).
+    ones' (split parts that disagree); `kv_scale` scales every key and value.
     With a `window`, the pages wholly left of each sequence's first visible key hold NaN too
     (what vLLM's hybrid manager leaves there is the null block or another request's).
     """
 
     def __init__(self, q_lens, ctx_lens, num_heads, num_kv_heads, head_dim, block_size, dtype,
                  seed=0, num_blocks=None, high_blocks=False, q_scale=1.0, runs=None, k_ramp=0.0,
-                 window=None, pages=None):
+                 window=None, pages=None, kv_scale=1.0):
         rng = np.random.default_rng(seed)
         self.seq_lens = np.array([c + q for q, c in zip(q_lens, ctx_lens)], dtype=np.int64)
         self.cu_seqlens_q = np.concatenate([[0], np.cumsum(q_lens)]).astype(np.int64)
@@ -161,8 +168,9 @@ class PagedCase:
         self.k_seqs, self.v_seqs = [], []
         for s, n in enumerate(self.seq_lens):
             ramp = 1 + k_ramp * np.arange(n)[:, None, None] / n
-            k = mx.array(rng.standard_normal((n, num_kv_heads, head_dim)) * ramp, dtype=dtype)
-            v = mx.array(rng.standard_normal((n, num_kv_heads, head_dim)), dtype=dtype)
+            k = mx.array(rng.standard_normal((n, num_kv_heads, head_dim)) * ramp * kv_scale,
+                         dtype=dtype)
+            v = mx.array(rng.standard_normal((n, num_kv_heads, head_dim)) * kv_scale, dtype=dtype)
             pos = np.arange(n)
             slots = mx.array(table[s][pos // block_size].astype(np.int64) * block_size
                              + pos % block_size)

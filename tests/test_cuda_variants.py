@@ -24,7 +24,15 @@ from jit_kernels import hopper_paged_attention as hopper_attention
 from jit_kernels import hopper_prefill_attention as prefill_attention
 from jit_kernels import plan as tile_plan
 from jit_kernels.geometry import Geometry
-from tests.conftest import TOLERANCES, CubinStandIns, PagedCase, assert_close, plan_of, zeros
+from tests.conftest import (
+    TOLERANCES,
+    CubinStandIns,
+    PagedCase,
+    assert_close,
+    plan_of,
+    window_edge_case,
+    zeros,
+)
 from tests.test_kernels import BACKENDS, emulate_plan, get_backend
 from tests.test_prefill_kernel import hopper
 
@@ -281,6 +289,17 @@ def test_window(backend, block_size, window_of, head_dim, block_m):
     assert (work[:, tile_plan.WINDOW] == g.window).all()
     if g.window < 900:  # the long contexts' tiles start inside them
         assert work[:, tile_plan.KV_START].max() > 0
+
+
+@pytest.mark.parametrize("backend", CUDA_BACKENDS)
+@pytest.mark.parametrize("window", [32, 64])
+@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("block_m", [64, 128])
+def test_window_edges_at_kv_tile_starts(backend, window, head_dim, block_m):
+    """`window_edge_case` (the Metal kernel runs it too, emulated)."""
+    q_lens, ctx = window_edge_case(window)
+    check(get_backend(backend).attention, variant(4, 2, head_dim, 16, mx.float16, window=window),
+          q_lens, ctx, block_m=block_m, seed=window)
 
 
 @pytest.mark.parametrize("backend", CUDA_BACKENDS)

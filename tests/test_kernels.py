@@ -26,6 +26,7 @@ import pytest
 from jit_kernels import KernelBackend, available_backends, cuda_backend, metal_backend, nvrtc
 from jit_kernels import cuda_paged_attention as cuda_attention
 from jit_kernels import hopper_paged_attention as hopper_attention
+from jit_kernels import metal_paged_attention as metal_attention
 from jit_kernels import plan as tile_plan
 from jit_kernels.geometry import Geometry, Lengths
 from paged_prefix import rules
@@ -177,6 +178,31 @@ def test_large_scores(backend):
     """|scale q.k| up to ~150: the kernels keep scores and softmax in fp32."""
     check(backend, [9, 1, 30], [40, 70, 0], num_heads=8, num_kv_heads=2, head_dim=64,
           dtype=mx.float16, q_scale=40.0)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("head_dim", [64, 256])
+def test_causal_frontiers_next_to_kv_tile_boundaries(backend, head_dim):
+    """Query tiles of several rows whose first row sits two keys before a boundary of every
+    kernel's kv tiles (16, 32 and 64 keys: positions 30, 62 and 126): the tile holding a row's
+    frontier must be masked, a mask that starts one key late leaks one future key."""
+    check(backend, [10, 3, 2, 1], [30, 62, 126, 63], num_heads=4, num_kv_heads=2,
+          head_dim=head_dim, dtype=mx.float16, seed=11)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_bf16_keys_and_values_past_the_fp16_range(backend):
+    """bf16 keys and values 2^17 times unit scale (past fp16's 65504) and queries 2^-17 times,
+    so the scores are as usual: a kernel that staged bf16 tiles through fp16 would give inf.
+    Compared with the output scaled back by the same power of two (exact)."""
+    if 64 not in HEAD_DIMS[backend]:
+        pytest.skip(f"{backend} has no head_dim 64 variant")
+    c = PagedCase([9, 1, 1], [40, 300, 0], 8, 2, 64, 16, mx.bfloat16, seed=12,
+                  q_scale=2.0 ** -17, kv_scale=2.0 ** 17)
+    g = Geometry(8, 2, 64, 16, mx.bfloat16, 0.125)
+    out, _ = c.attend(get_backend(backend).attention, g)
+    assert float(mx.abs(c.v_seqs[1]).max()) > 65504  # past fp16's range
+    assert_close(out * 2.0 ** -17, c.oracle(g.scale) * 2.0 ** -17, mx.bfloat16, backend)
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
@@ -650,20 +676,27 @@ def test_cuda_forced_tile_height_is_planned_or_refused():
 
 @pytest.mark.parametrize("window", [None, 77])
 @pytest.mark.parametrize("kernel", [cuda_attention.CudaPagedAttention,
-                                    hopper_attention.HopperPagedAttention], ids=["mma", "hopper"])
+                                    hopper_attention.HopperPagedAttention,
+                                    metal_attention.MetalPagedAttention],
+                         ids=["mma", "hopper", "metal"])
+@pytest.mark.parametrize("group", [1, 4, 8])
 @pytest.mark.parametrize("head_dim", [64, 128])
-def test_cuda_canary_splits_kv(kernel, head_dim, window):
-    """Host-only: the canary's case is a few kv tiles, under every split rule's minimum, so one
-    of its CUDA plannings splits them and the first-use check runs the merge (sinks included)."""
+def test_canary_splits_kv(kernel, group, head_dim, window):
+    """Host-only: one of the canary's plannings splits its case's keys at every group, so the
+    first-use check runs the merge (sinks included). A large group fills Metal's GPU_CORES query
+    tiles with the case's rows: its last planning splits every tile whatever their number."""
     from paged_prefix import canary
 
     attention = kernel(lambda **_: None)
-    g = Geometry(8, 2, head_dim, 16, mx.bfloat16, head_dim ** -0.5, window=window, sinks=True)
+    g = Geometry(2 * group, 2, head_dim, 16, mx.bfloat16, head_dim ** -0.5, window=window,
+                 sinks=True)
     small, _, _, _, table, cu, seq_lens, _ = canary._case(g)
     plannings = attention.canary_plannings(small)
     slots = [attention.plan(Lengths.of(cu, seq_lens), small, table, **p).tiles.num_slots
              for p in plannings]
-    assert slots[0] == 0 and any(slots), (plannings, slots)
+    assert any(slots), (plannings, slots)
+    if kernel is not metal_attention.MetalPagedAttention:  # 128-row tiles never split
+        assert slots[0] == 0
     for bad in (0, -1, 1.0, True, "1"):
         with pytest.raises(ValueError, match="split_kv_tiles"):
             attention.plan(Lengths.of(cu, seq_lens), small, table, split_kv_tiles=bad)

@@ -19,7 +19,7 @@ from jit_kernels import plan as tile_plan
 from jit_kernels.geometry import BLOCK_SIZES, Geometry
 from paged_prefix import dispatch
 from paged_prefix.attention_metadata import build_attention_metadata
-from tests.conftest import PagedCase, assert_close
+from tests.conftest import PagedCase, assert_close, window_edge_case
 from tests.metal_emu import KernelError, metal_kernel
 from tests.test_metal_emulated import DTYPES, FEATURE_SETS, check, mutated
 
@@ -60,6 +60,14 @@ def test_window_head_dims(head_dim, block_size, kv_heads):
     got = check([9, 1, 1], [100, 77, 200], 3 * kv_heads, kv_heads, head_dim, block_size,
                 mx.float16, seed=head_dim, window=block_size + 9)
     assert got.guarded > 0
+
+
+@pytest.mark.parametrize("window", [32, 64])
+@pytest.mark.parametrize("head_dim", [64, 256])
+def test_window_edges_at_kv_tile_starts(window, head_dim):
+    """`window_edge_case` (the CUDA kernels run it too)."""
+    q_lens, ctx = window_edge_case(window)
+    check(q_lens, ctx, 4, 2, head_dim, 16, mx.float16, seed=window, window=window)
 
 
 def test_window_splits_only_its_range():
