@@ -216,13 +216,14 @@ class VllmModelRunner:
 
     def _forward(self, runner: PagedModelRunner,
                  scheduler_output: SchedulerOutput) -> ModelRunnerOutput | None:
+        states = self.requests
         if self._running is not None and self._running.taken:
             # tokens the engine has taken (synchronous scheduling takes every step's output
             # before it schedules the next) are known to the scheduler, which may hand out a
             # block they end as a cached prefix in this very step: the check of such a hit
             # (metadata._check_shared_reads) compares them, not their placeholders
-            self.requests = self._read(self.requests)
-        plan = plan_step(self.requests, scheduler_output, self._limits, self.state_ledger)
+            states = self._read(states)  # committed with the step, as every change
+        plan = plan_step(states, scheduler_output, self._limits, self.state_ledger)
         scoring = prompt_logprobs.live(self.prompt_logprobs, plan.requests,
                                        scheduler_output.scheduled_new_reqs, self.vocab_size)
         if plan.meta is None:
