@@ -221,15 +221,11 @@ class CudaPagedAttention(PagedAttentionKernel):
         g = geometry
         block_m = self._block_m(block_m, g) or choose_block_m(lengths.tokens_of(seqs), g.group,
                                                                g.num_kv_heads)
-        if split_kv_tiles is None:
-            split_kv_tiles = self.split_min_kv_tiles_for(g)
-        elif isinstance(split_kv_tiles, bool) or not isinstance(split_kv_tiles, numbers.Integral) \
-                or split_kv_tiles < 1:
-            raise ValueError(f"split_kv_tiles: a positive int, not {split_kv_tiles!r}")
+        split_kv_tiles = self._split_kv_tiles(split_kv_tiles) or self.split_min_kv_tiles_for(g)
         tiles = tile_plan.build_tile_plan(lengths.cu_seqlens_q, lengths.seq_lens, g.group,
                                           g.num_kv_heads, block_m, BLOCK_N, NUM_SMS,
                                           ctas_per_sm=SPLIT_ITEMS_PER_SM,
-                                          min_chunk=int(split_kv_tiles),
+                                          min_chunk=split_kv_tiles,
                                           min_items=None if splits_kv(block_m) else 0,
                                           seqs=np.asarray(seqs), window=g.window)
         sets = COUNTER_SETS if tiles.num_slots else 1  # unsplit: counters never read

@@ -122,6 +122,16 @@ class PagedAttentionKernel:
                              f"{self.tile_rows(geometry)} rows, not {block_m!r}")
         return int(block_m)
 
+    @staticmethod
+    def _split_kv_tiles(split_kv_tiles: int | None) -> int | None:
+        """A caller's fewest kv tiles of a split part, checked: None takes the kernel's rule."""
+        if split_kv_tiles is None:
+            return None
+        if isinstance(split_kv_tiles, bool) or not isinstance(split_kv_tiles, numbers.Integral) \
+                or split_kv_tiles < 1:
+            raise ValueError(f"split_kv_tiles: a positive int, not {split_kv_tiles!r}")
+        return int(split_kv_tiles)
+
     def check(self, q, k, v, k_cache, v_cache, plan: Plan, sinks=None) -> None:
         check_call(self.name, plan.geometry, plan.lengths, q, k, v, k_cache, v_cache,
                    plan.block_tables, sinks)

@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import functools
 import math
-import numbers
 import sys
 from dataclasses import dataclass
 
@@ -109,11 +108,9 @@ class MetalPagedAttention(PagedAttentionKernel):
         GPU_CORES tiles."""
         refuse_unsupported(self, geometry)
         self._block_m(block_m, geometry)
-        if split_kv_tiles is not None and (isinstance(split_kv_tiles, bool) or not isinstance(
-                split_kv_tiles, numbers.Integral) or split_kv_tiles < 1):
-            raise ValueError(f"split_kv_tiles: a positive int, not {split_kv_tiles!r}")
+        split_kv_tiles = self._split_kv_tiles(split_kv_tiles)
         g, seqs = geometry, lengths.seqs(seqs)
-        split = {} if split_kv_tiles is None else dict(min_chunk=int(split_kv_tiles),
+        split = {} if split_kv_tiles is None else dict(min_chunk=split_kv_tiles,
                                                         min_items=sys.maxsize)
         tiles = tile_plan.build_tile_plan(lengths.cu_seqlens_q, lengths.seq_lens, g.group,
                                           g.num_kv_heads, BLOCK_Q, BLOCK_N[g.head_dim],

@@ -63,8 +63,7 @@ def _refused_feature(vllm_config: VllmConfig) -> str | None:
         "KV sharing fast prefill (--kv-sharing-fast-prefill)": cache.kv_sharing_fast_prefill,
         # vLLM runs these in its own (V2) model runner only: here requests would be served
         # without the watermark, or without the experts they asked for
-        "text watermarking (--watermark-config)":
-            getattr(vllm_config, "watermark_config", None) is not None,
+        "text watermarking (--watermark-config)": vllm_config.watermark_config is not None,
         "routed-experts outputs (--enable-return-routed-experts)":
             vllm_config.aux_output_config.enable_return_routed_experts,
         "diffusion decoding (--diffusion-config)": vllm_config.diffusion_config is not None,
