@@ -53,6 +53,12 @@ def unsupported_reason(params: SamplingParams) -> tuple[str, str] | None:
     for name, reason in _UNSUPPORTED.items():
         if getattr(params, name, None) is not None:
             return name, reason
+    if params.prompt_logprobs is not None and params.skip_reading_prefix_cache is False:
+        # vLLM sets it for such requests unless told otherwise; a hit would leave the cached
+        # prompt tokens unscored (vLLM's GPU runner returns those rows unfilled)
+        return ("skip_reading_prefix_cache", "a request asking for prompt_logprobs scores "
+                "every prompt token, so it cannot start from the prefix cache: leave "
+                "skip_reading_prefix_cache unset or True")
     return None
 
 

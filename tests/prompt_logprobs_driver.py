@@ -6,7 +6,8 @@ A process of its own, as `serving_llm_driver.py` (vLLM fixes its platform once p
 Prefix caching on, asynchronous scheduling (vLLM's default), a 64-token step budget: a long
 prompt is computed over several steps. In order: the long prompt without prompt logprobs (its
 blocks are cached), with them (vLLM reads no cache for it), without again (a hit); then the
-long prompt with them beside two short requests that decode while it is prefilled. The
+long prompt with them beside two short requests that decode while it is prefilled (after a
+request that asks for them and to read the cache, refused). The
 runner's debug lines say which steps held decode rows and scored prompt rows together.
 """
 
@@ -72,6 +73,7 @@ def result(output) -> dict:
 def main(model: str) -> None:
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
     from vllm import LLM, SamplingParams
+    from vllm.exceptions import VLLMValidationError
 
     llm = LLM(model=model, enable_prefix_caching=True, max_model_len=512, max_num_seqs=4,
               max_num_batched_tokens=BUDGET, kv_cache_memory_bytes=64 << 20, seed=0)
@@ -85,11 +87,17 @@ def main(model: str) -> None:
                             prompt_logprobs=PROMPT_LOGPROBS)
     cached = [result(llm.generate([LONG], params, use_tqdm=False)[0])
               for params in (plain, scored, plain)]
+    try:  # told to read the cache, it would hit LONG's blocks: refused before it is queued
+        llm.generate([LONG], SamplingParams(max_tokens=1, prompt_logprobs=PROMPT_LOGPROBS,
+                                            skip_reading_prefix_cache=False), use_tqdm=False)
+        refused = None
+    except VLLMValidationError as error:  # the platform's, as vLLM's frontend raises its own
+        refused = str(error)
     alone = len(log.lines)
     mixed = [result(o) for o in llm.generate([*SHORT, LONG], [plain, plain, scored],
                                              use_tqdm=False)]
     llm.llm_engine.engine_core.shutdown()
-    print("RESULT " + json.dumps({"cached": cached, "mixed": mixed,
+    print("RESULT " + json.dumps({"cached": cached, "refused": refused, "mixed": mixed,
                                  "mixed_steps": mixed_steps(log.lines[alone:])}))
 
 

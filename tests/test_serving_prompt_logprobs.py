@@ -92,6 +92,13 @@ def test_prefix_cache_is_skipped_for_prompt_logprobs_and_only_for_them(run):
     assert last["num_cached_tokens"] >= len(last["prompt_token_ids"]) - 16
 
 
+def test_a_request_for_prompt_logprobs_that_would_read_the_cache_is_refused_at_admission(run):
+    """`skip_reading_prefix_cache=False` would let it start past cached tokens it must score:
+    refused naming the field before it is queued (the runner refusing it mid-step killed the
+    engine); the requests after it run (the test below)."""
+    assert run["refused"] is not None and "skip_reading_prefix_cache" in run["refused"]
+
+
 def test_prompt_logprobs_beside_decoding_requests(run, expected):
     """Two short requests decode in the same steps as the long one's prompt rows are scored:
     its rows still match, its tokens are those it generated alone, the short ones' are all

@@ -166,6 +166,13 @@ def test_unsupported_options_are_named():
     assert unsupported_reason(SamplingParams(prompt_logprobs=1)) is None
     refused = SamplingParams(prompt_logprobs=1, prompt_logprob_token_ids=[[1, 2]])
     assert unsupported_reason(refused)[0] == "prompt_logprob_token_ids"
+    # vLLM makes a prompt-logprobs request skip the prefix cache unless told not to
+    assert SamplingParams(prompt_logprobs=1).skip_reading_prefix_cache is True
+    assert unsupported_reason(SamplingParams(prompt_logprobs=1,
+                                             skip_reading_prefix_cache=True)) is None
+    assert unsupported_reason(SamplingParams(skip_reading_prefix_cache=False)) is None
+    refused = SamplingParams(prompt_logprobs=0, skip_reading_prefix_cache=False)
+    assert unsupported_reason(refused)[0] == "skip_reading_prefix_cache"
 
 
 @pytest.mark.parametrize("n", [0, 3, VOCAB])
