@@ -129,7 +129,8 @@ class BatchSampler:
         self.max_rows = vllm_config.scheduler_config.max_num_seqs
         mode = vllm_config.model_config.logprobs_mode if vllm_config.model_config else "raw_logprobs"
         self.logprobs_mode = mode
-        self.sampler = Sampler(logprobs_mode=mode)
+        fp64 = vllm_config.model_config.use_fp64_gumbel if vllm_config.model_config else False
+        self.sampler = Sampler(logprobs_mode=mode, use_fp64_gumbel=fp64)
         # vLLM's built-in processors only (min_tokens, logit_bias, min_p); the platform
         # refuses custom ones, whose per-request state a per-step refresh would reset.
         self.logitsprocs = build_logitsprocs(vllm_config, torch.device("cpu"), is_pin_memory=False,

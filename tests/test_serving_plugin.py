@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import sys
+from types import SimpleNamespace
 
 import mlx.core as mx
 import pytest
@@ -11,7 +12,7 @@ import pytest
 from paged_prefix import vllm_plugin
 from paged_prefix.model_loader import load_model, read_config
 
-from .serving_support import smollm2
+from .serving_support import random_folders, smollm2
 
 
 @pytest.mark.parametrize("setting, platform, metal_installed, expected", [
@@ -75,6 +76,10 @@ def test_platform_refuses_what_the_runner_cannot_do():
     (lambda c: setattr(c.aux_output_config, "enable_return_routed_experts", True),
      "--enable-return-routed-experts"),
     (lambda c: setattr(c, "diffusion_config", object()), "--diffusion-config"),
+    (lambda c: setattr(c, "model_config", SimpleNamespace(
+        enable_sleep_mode=False, hf_overrides={"num_hidden_layers": 2})), "--hf-overrides"),
+    (lambda c: setattr(c.load_config, "load_format", "dummy"), "--load-format"),
+    (lambda c: setattr(c.attention_config, "backend", "FLASH_ATTN"), "--attention-backend"),
 ])
 def test_platform_refuses_flags_the_worker_does_not_implement(setting, flag):
     """At config time, naming the flag: not deep in engine start-up (a KV connector asks the
@@ -163,8 +168,6 @@ def test_server_refuses_to_start_without_room_for_one_sequence(tmp_path, args, m
 def test_the_worker_waits_for_a_step_being_sent_before_it_syncs_or_stops():
     """With the launch thread (launch.py) a step may still be going out when vLLM asks the
     worker to synchronize or to shut down: it waits for the runner's launcher first."""
-    from types import SimpleNamespace
-
     from paged_prefix.vllm_plugin.worker import MLXWorker
 
     calls = []
@@ -175,3 +178,54 @@ def test_the_worker_waits_for_a_step_being_sent_before_it_syncs_or_stops():
     worker.synchronize_device()
     worker.shutdown()
     assert calls == ["synchronize", "wait"] and worker.runner is None
+
+
+ENGINE_CALLS = """
+import os, sys
+os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+from vllm import LLM, SamplingParams
+args = dict(model=sys.argv[1], skip_tokenizer_init=True, kv_cache_memory_bytes=16 << 20, seed=0)
+if sys.argv[2] == "window":
+    LLM(**args, disable_sliding_window=True, max_model_len=64)
+    sys.exit("started")
+llm = LLM(**args, max_model_len=64)
+prompt = [{"prompt_token_ids": list(range(3, 40))}]
+greedy = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
+before = llm.generate(prompt, greedy, use_tqdm=False)[0].outputs[0].token_ids
+llm.llm_engine.reset_encoder_cache()
+try:
+    llm.sleep(level=1)
+    sys.exit("slept")
+except ValueError as error:
+    print("REFUSED", error)
+llm.wake_up()
+after = llm.generate(prompt, greedy, use_tqdm=False)[0].outputs[0].token_ids
+print("SAME" if list(before) == list(after) else f"DIFFERENT {before} {after}")
+"""
+
+
+@pytest.mark.parametrize("case", ["window", "sleep"])
+def test_engine_calls_the_worker_cannot_honour_are_refused_naming_them(tmp_path, case):
+    """Past vLLM's cap (VLLM_ALLOW_LONG_MAX_MODEL_LEN=1) `disable_sliding_window` would need
+    full attention where the runner attends within the model's window: refused at startup.
+    `llm.sleep(level=1)` (weights and KV cache offloaded) is refused after vLLM has paused the
+    scheduler and cleared its caches, which asks the worker to reset an encoder cache it does
+    not have (that raised, and left the engine paused for good); `wake_up()` resumes it, with
+    the same greedy tokens."""
+    import subprocess
+
+    from bench.vllm_server import child_env
+
+    folder = random_folders(tmp_path, ["mistral-test"])["mistral-test"]  # window 20
+    script = tmp_path / "engine_calls.py"
+    script.write_text(ENGINE_CALLS)
+    proc = subprocess.run([sys.executable, str(script), str(folder), case],
+                          env=child_env(VLLM_ALLOW_LONG_MAX_MODEL_LEN="1"), capture_output=True,
+                          text=True, timeout=600)
+    if case == "window":
+        assert proc.returncode != 0 and "started" not in proc.stderr
+        assert "disable_sliding_window: the runner attends within" in proc.stderr, \
+            proc.stderr[-3000:]
+    else:
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        assert "REFUSED sleep: level 1" in proc.stdout and "SAME" in proc.stdout, proc.stdout

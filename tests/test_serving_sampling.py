@@ -7,6 +7,8 @@ computations of the same definitions.
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import mlx.core as mx
 import numpy as np
 import pytest
@@ -212,3 +214,11 @@ def test_prompt_rows_of_the_wrong_shape_or_count_are_refused(sampler):
 def test_logits_of_the_wrong_shape_are_refused(sampler):
     with pytest.raises(ValueError, match="logits"):
         sampler.sample(mx.zeros((2, VOCAB)), [row(SamplingParams())])
+
+
+def test_the_sampler_takes_the_models_gumbel_precision():
+    """`--use-fp64-gumbel` reaches vLLM's Sampler, as vLLM's own runner passes it."""
+    config = VllmConfig()
+    assert BatchSampler(VOCAB, config).sampler.use_fp64_gumbel is False
+    config.model_config = SimpleNamespace(logprobs_mode="raw_logprobs", use_fp64_gumbel=True)
+    assert BatchSampler(VOCAB, config).sampler.use_fp64_gumbel is True

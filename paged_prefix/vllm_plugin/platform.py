@@ -67,6 +67,13 @@ def _refused_feature(vllm_config: VllmConfig) -> str | None:
         "routed-experts outputs (--enable-return-routed-experts)":
             vllm_config.aux_output_config.enable_return_routed_experts,
         "diffusion decoding (--diffusion-config)": vllm_config.diffusion_config is not None,
+        # the worker builds the model from the folder's config.json and weights with mlx-lm,
+        # and attends through its own route (PAGED_PREFIX_ATTENTION): these would be ignored
+        "config overrides (--hf-overrides)": model is not None and bool(model.hf_overrides),
+        f"load format {vllm_config.load_config.load_format!r} (--load-format)":
+            vllm_config.load_config.load_format not in ("auto", "safetensors"),
+        "a vLLM attention backend (--attention-backend)":
+            vllm_config.attention_config.backend is not None,
     }
     return next((name for name, on in features.items() if on), None)
 

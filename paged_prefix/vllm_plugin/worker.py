@@ -87,6 +87,13 @@ class MLXWorker(WorkerBase):
         model = load_model(self.model_config.model, TORCH_TO_MLX[self.model_config.dtype])
         self._weights_bytes = mx.get_active_memory()
         self.runner = VllmModelRunner(model, Dispatcher(), self.vllm_config)
+        windows = [w for w in self.runner.layer_windows() if w is not None]
+        if self.model_config.disable_sliding_window and windows and \
+                self.model_config.max_model_len > min(windows):
+            # vLLM caps max_model_len at the window for it, where windowed attention is full
+            raise ValueError(f"disable_sliding_window: the runner attends within the model's "
+                             f"sliding windows ({min(windows)} tokens), shorter than max_model_len "
+                             f"{self.model_config.max_model_len}")
         logger.info("paged_prefix worker: weights hold %.0f MiB", self._weights_bytes / MiB)
 
     def get_model(self):
@@ -219,7 +226,18 @@ class MLXWorker(WorkerBase):
             self.runner.launcher.synchronize()
         mx.synchronize()
 
+    def reset_encoder_cache(self) -> None:
+        """Nothing to drop: no encoder runs here (multimodal models are refused). vLLM asks
+        whenever it clears its caches: `sleep`, a pause that clears them, weight updates."""
+
     # -- refused features (the platform refuses them at startup already) ---------------------
+    def sleep(self, level: int = 1) -> None:
+        """vLLM has paused scheduling (and, from level 1, dropped its prefix cache) before it
+        asks: `wake_up()` resumes it."""
+        raise ValueError(f"sleep: level {level} (offloading or discarding the weights and the "
+                         "KV cache) is not supported by paged_prefix; level 0 (pausing the "
+                         "scheduler) is. Call wake_up() to resume scheduling")
+
     def add_lora(self, lora_request) -> bool:
         raise ValueError("lora: not supported by paged_prefix")
 
