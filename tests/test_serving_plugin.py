@@ -229,3 +229,14 @@ def test_engine_calls_the_worker_cannot_honour_are_refused_naming_them(tmp_path,
     else:
         assert proc.returncode == 0, proc.stderr[-3000:]
         assert "REFUSED sleep: level 1" in proc.stdout and "SAME" in proc.stdout, proc.stdout
+
+
+def test_vllm_quantization_is_refused_naming_the_flag():
+    """`--quantization` picks vLLM's torch kernels, which this worker never runs: refused when
+    vLLM checks the model's config (before, vLLM failed importing one of them here, or would
+    have served the dense weights); an MLX-quantized folder carries no vLLM method."""
+    from vllm.config import ModelConfig
+
+    with pytest.raises(ValueError, match="quantization: vLLM's 'fp8' quantization is not"):
+        ModelConfig(model=str(smollm2()), quantization="fp8")
+    assert ModelConfig(model=str(smollm2("q4"))).quantization is None

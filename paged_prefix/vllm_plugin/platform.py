@@ -204,6 +204,14 @@ class MLXPlatform(Platform):
                     cache.enable_prefix_caching, vllm_config.scheduler_config.async_scheduling)
 
     @classmethod
+    def verify_quantization(cls, quant: str) -> None:
+        """vLLM's quantization methods are torch kernels this worker never runs (it loads
+        mlx-lm folders, quantized ones as mlx-lm quantizes them): refused, naming the flag."""
+        raise ValueError(f"quantization: vLLM's {quant!r} quantization is not supported by "
+                         "paged_prefix (an MLX-quantized folder, mlx_lm.convert -q, loads "
+                         "without --quantization)")
+
+    @classmethod
     def validate_request(cls, processed_inputs, params) -> None:
         from vllm.exceptions import VLLMValidationError
         from vllm.sampling_params import SamplingParams
