@@ -7,7 +7,9 @@ the model, the paged KV cache and attention are MLX arrays owned by the worker
 - the worker class (when vLLM's is "auto"), one uni-process worker, no torch.compile or
   CUDA graphs;
 - what is refused: tensor/pipeline/data parallelism, speculative decoding, LoRA,
-  multimodal and pooling models, custom logits processors, quantized KV caches (startup),
+  multimodal and pooling models, custom logits processors, quantized KV caches, and settings
+  the worker would ignore (config overrides, load formats, vLLM's attention backends and
+  quantization methods) at startup,
   and per request the sampling options the runner cannot honour (`vllm_sampling`) and
   prompt embeddings or multimodal inputs (HTTP 400 through `validate_request`);
 - dtypes: float32 first on MLX's CPU backend (no fast half precision there), so a float32
