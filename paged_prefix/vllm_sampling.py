@@ -127,10 +127,10 @@ class BatchSampler:
             raise ValueError(f"vocab_size must be positive, got {vocab_size}")
         self.vocab_size = vocab_size
         self.max_rows = vllm_config.scheduler_config.max_num_seqs
-        mode = vllm_config.model_config.logprobs_mode if vllm_config.model_config else "raw_logprobs"
-        self.logprobs_mode = mode
-        fp64 = vllm_config.model_config.use_fp64_gumbel if vllm_config.model_config else False
-        self.sampler = Sampler(logprobs_mode=mode, use_fp64_gumbel=fp64)
+        model = vllm_config.model_config
+        self.logprobs_mode = model.logprobs_mode if model else "raw_logprobs"
+        self.sampler = Sampler(logprobs_mode=self.logprobs_mode,
+                               use_fp64_gumbel=model.use_fp64_gumbel if model else False)
         # vLLM's built-in processors only (min_tokens, logit_bias, min_p); the platform
         # refuses custom ones, whose per-request state a per-step refresh would reset.
         self.logitsprocs = build_logitsprocs(vllm_config, torch.device("cpu"), is_pin_memory=False,

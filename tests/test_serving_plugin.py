@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import sys
+from pathlib import Path
 from types import SimpleNamespace
 
 import mlx.core as mx
@@ -180,28 +181,7 @@ def test_the_worker_waits_for_a_step_being_sent_before_it_syncs_or_stops():
     assert calls == ["synchronize", "wait"] and worker.runner is None
 
 
-ENGINE_CALLS = """
-import os, sys
-os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
-from vllm import LLM, SamplingParams
-args = dict(model=sys.argv[1], skip_tokenizer_init=True, kv_cache_memory_bytes=16 << 20, seed=0)
-if sys.argv[2] == "window":
-    LLM(**args, disable_sliding_window=True, max_model_len=64)
-    sys.exit("started")
-llm = LLM(**args, max_model_len=64)
-prompt = [{"prompt_token_ids": list(range(3, 40))}]
-greedy = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
-before = llm.generate(prompt, greedy, use_tqdm=False)[0].outputs[0].token_ids
-llm.llm_engine.reset_encoder_cache()
-try:
-    llm.sleep(level=1)
-    sys.exit("slept")
-except ValueError as error:
-    print("REFUSED", error)
-llm.wake_up()
-after = llm.generate(prompt, greedy, use_tqdm=False)[0].outputs[0].token_ids
-print("SAME" if list(before) == list(after) else f"DIFFERENT {before} {after}")
-"""
+ENGINE_CALLS = Path(__file__).with_name("engine_calls_driver.py")
 
 
 @pytest.mark.parametrize("case", ["window", "sleep"])
@@ -217,9 +197,7 @@ def test_engine_calls_the_worker_cannot_honour_are_refused_naming_them(tmp_path,
     from bench.vllm_server import child_env
 
     folder = random_folders(tmp_path, ["mistral-test"])["mistral-test"]  # window 20
-    script = tmp_path / "engine_calls.py"
-    script.write_text(ENGINE_CALLS)
-    proc = subprocess.run([sys.executable, str(script), str(folder), case],
+    proc = subprocess.run([sys.executable, str(ENGINE_CALLS), str(folder), case],
                           env=child_env(VLLM_ALLOW_LONG_MAX_MODEL_LEN="1"), capture_output=True,
                           text=True, timeout=600)
     if case == "window":

@@ -230,7 +230,6 @@ class MLXWorker(WorkerBase):
         """Nothing to drop: no encoder runs here (multimodal models are refused). vLLM asks
         whenever it clears its caches: `sleep`, a pause that clears them, weight updates."""
 
-    # -- refused features (the platform refuses them at startup already) ---------------------
     def sleep(self, level: int = 1) -> None:
         """vLLM has paused scheduling (and, from level 1, dropped its prefix cache) before it
         asks: `wake_up()` resumes it."""
@@ -238,6 +237,7 @@ class MLXWorker(WorkerBase):
                          "KV cache) is not supported by paged_prefix; level 0 (pausing the "
                          "scheduler) is. Call wake_up() to resume scheduling")
 
+    # -- refused features (the platform refuses them at startup already) ---------------------
     def add_lora(self, lora_request) -> bool:
         raise ValueError("lora: not supported by paged_prefix")
 
