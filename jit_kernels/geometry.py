@@ -11,9 +11,10 @@ from functools import cached_property
 import mlx.core as mx
 import numpy as np
 
-from reference import check_lengths, check_variant, host_ints, key_start
+from reference import check_lengths, check_scale, check_variant, host_ints, key_start
 
 DTYPES = (mx.float16, mx.bfloat16)
+CALL_DTYPES = (mx.float16, mx.bfloat16, mx.float32)  # what a forward's q and caches may be
 BLOCK_SIZES = (8, 16, 32)
 MAX_GROUP = 8
 
@@ -53,6 +54,9 @@ class Geometry:
         if self.num_heads % self.num_kv_heads:
             raise ValueError(f"num_heads: {self.num_heads} is not a multiple of "
                              f"{self.num_kv_heads} kv heads")
+        if not isinstance(self.dtype, mx.Dtype) or self.dtype not in CALL_DTYPES:
+            raise ValueError(f"dtype: expected one of {CALL_DTYPES}, got {self.dtype!r}")
+        check_scale(self.scale)
         check_variant(self.window, self.softcap, None, self.num_heads)
         for name in ("sinks", "heads_major"):
             if not isinstance(getattr(self, name), bool):

@@ -122,6 +122,10 @@ def attention_metadata_and_shared_reads(q_lens, context_lens, block_tables, bloc
     if len(q) == 0:
         raise ValueError("q_lens: a forward needs at least one sequence")
     ctx = as_ints(context_lens, "context_lens", low=0, high=MAX_INT32)
+    if isinstance(block_tables, (str, bytes)) or \
+            not isinstance(block_tables, (Sequence, np.ndarray)):
+        raise ValueError(f"{field}: expected one sequence of block ids per sequence, got "
+                         f"{type(block_tables).__name__}")
     if len(ctx) != len(q) or len(block_tables) != len(q):
         raise ValueError(
             f"context_lens/block_tables: expected {len(q)} entries (one per sequence), "

@@ -155,6 +155,10 @@ class PagedKVCache:
         if type(layer) is not int or not 0 <= layer < self.num_layers:  # every layer: cheap
             as_int(layer, "layer", low=0, high=self.num_layers - 1)
         want = (slots.count, self.num_kv_heads, self.head_dim)
+        for name, rows in (("keys", keys), ("values", values)):
+            if not isinstance(rows, mx.array) or not mx.issubdtype(rows.dtype, mx.floating):
+                raise ValueError(f"{name}: expected a floating mx.array, got "
+                                 f"{getattr(rows, 'dtype', type(rows).__name__)}")
         if keys.shape != want or values.shape != want:
             raise ValueError(f"keys, values: expected {want}, got {keys.shape} and {values.shape}")
         keys, values = self._stored(keys), self._stored(values)

@@ -5,9 +5,10 @@ the stream's CUDA graph: 1.3-1.6 ms for the 1.1B config's 16 layers on the H200,
 docs/results.md, "H200: against mlx-lm's server"), during which the calling thread waits with
 Python's GIL released. `StepLauncher(threaded=True)` runs it on a thread of its own, so that
 the encoding overlaps what the calling thread does next: vLLM's engine taking the step
-before's output and scheduling the next, and the next step's plan. It is opt-in
-(PAGED_PREFIX_LAUNCH_THREAD=1): the tests run it on MLX's CPU backend, and it has not yet run
-on a GPU, where it is meant to pay.
+before's output and scheduling the next, and the next step's plan. On an H100 it took the
+served TPOT of one request at a time from 7.0 to 5.4 ms (docs/results.md, "H100: the launch
+thread"). It is opt-in (PAGED_PREFIX_LAUNCH_THREAD=1): its tests run on MLX's CPU backend, and
+have not yet run on a GPU.
 
 MLX gives every thread its own default stream and command encoder, and a thread can evaluate
 only its own streams' ops or those of a stream made by `mx.new_thread_unsafe_stream`, whose one

@@ -168,6 +168,9 @@ def build_batch_metadata(
     """Turn the scheduler's decisions into one forward's metadata; raises ValueError naming
     the field. `vocab_size`, when given, bounds the scheduled token ids; `windows` has one
     entry per KV-cache group, its sliding window or None (`PagedKVCache.windows`)."""
+    if not isinstance(requests, Sequence):
+        raise ValueError(f"requests: expected a sequence of ScheduledRequest, got "
+                         f"{type(requests).__name__}")
     if not requests:
         raise ValueError("requests: a forward needs at least one scheduled request")
     if vocab_size is not None:

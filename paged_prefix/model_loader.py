@@ -18,6 +18,7 @@ from pathlib import Path
 
 import mlx.core as mx
 import mlx.nn as nn
+from mlx_lm.models.switch_layers import SwitchLinear
 from mlx_lm.utils import load_model as mlx_lm_load_model
 
 from . import architectures
@@ -42,6 +43,18 @@ def is_quantized(config: dict) -> bool:
     return "quantization" in config or "quantization_config" in config
 
 
+def check_experts_dtype(model: nn.Module) -> None:
+    """MLX's CPU backend multiplies dense experts (`gather_mm`) in float32 only: a model with
+    others would fail at its first forward (mlx-lm's too); quantized experts run in any."""
+    if mx.default_device() != mx.cpu:
+        return
+    for name, module in model.named_modules():
+        if isinstance(module, SwitchLinear) and module.weight.dtype != mx.float32:
+            raise ValueError(f"dtype: {module.weight.dtype} experts ({name}) on MLX's CPU "
+                             "backend, whose gather_mm runs float32 only; serve this model in "
+                             "float32 (--dtype float32) or quantized")
+
+
 def load_model(folder: str | Path, dtype: mx.Dtype | None = None) -> nn.Module:
     """The mlx-lm model in `folder`, evaluated; dense weights cast to `dtype` when given."""
     config = read_config(folder)
@@ -49,9 +62,10 @@ def load_model(folder: str | Path, dtype: mx.Dtype | None = None) -> nn.Module:
     # lazy: the model's attention is checked before any weight is read
     model, _ = mlx_lm_load_model(Path(folder), lazy=True,
                                  get_model_classes=architectures.model_classes)
-    architectures.check_model(model)
+    architectures.check_built(config, model)
     if dtype is not None and not is_quantized(config):
         model.set_dtype(dtype)
+    check_experts_dtype(model)
     mx.eval(model.parameters())
     logger.info("loaded %s (%s, %d layers, %s) in %.1f s", folder, config["model_type"],
                 len(model.layers), "quantized" if is_quantized(config) else dtype or "as stored",

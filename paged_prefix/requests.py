@@ -351,12 +351,20 @@ def _check_null_block(meta: BatchMetadata) -> None:
 def _check_block_owners(requests: Mapping[str, RequestState], meta: BatchMetadata,
                         limits: Limits) -> None:
     """A block this forward writes belongs to its writer: no live request outside the forward
-    may hold it (vLLM hands out only free blocks to write; within the forward, the metadata
-    checked every shared read). In a windowed group a request holds its blocks from its next
-    query's first visible key on: vLLM frees those before it."""
+    may hold it, nor a request of the forward past its tokens, for its later ones (vLLM hands
+    out only free blocks to write; within its tokens, the metadata checked every shared read).
+    In a windowed group a request holds its blocks from its next query's first visible key on:
+    vLLM frees those before it."""
     written = np.unique(np.concatenate([g.slot_mapping_host // g.attn.block_size
                                         for g in meta.groups]))
     in_forward = set(meta.req_ids)
+    seq_lens = meta.groups[0].attn.seq_lens_host
+    for s, req_id in enumerate(meta.req_ids):
+        end = -(-int(seq_lens[s]) // limits.block_size)
+        for g, (ids, group) in enumerate(zip(requests[req_id].block_ids, meta.groups)):
+            if len(ids) > end:  # blocks past its tokens (the metadata checked those up to them)
+                _check_later_blocks(req_id, g, ids[int(group.attn.live_from_host[s]):end],
+                                    ids[end:], written)
     for req_id, state in requests.items():
         if req_id in in_forward:
             continue
@@ -366,3 +374,19 @@ def _check_block_owners(requests: Mapping[str, RequestState], meta: BatchMetadat
             if held.size:
                 raise ValueError(f"block_ids: this step writes block {int(held[0])}, which "
                                  f"running request {req_id!r} holds")
+
+
+def _check_later_blocks(req_id: str, group: int, live: Sequence[int], later: Sequence[int],
+                        written: np.ndarray) -> None:
+    """The blocks a request of the forward holds past its tokens are its own, once each: none
+    among those it reads or writes (`live`), nor written by this step. A windowed group's blocks
+    before `live` are not checked: vLLM freed them, and may hand one back to the same request."""
+    seen = set(live)
+    for block in later:
+        if block in seen:
+            raise ValueError(f"block_ids: request {req_id!r} holds block {block} twice "
+                             f"(KV-cache group {group})")
+        seen.add(block)
+        if block in written:
+            raise ValueError(f"block_ids: this step writes block {block}, which {req_id!r} "
+                             "holds for its later tokens")

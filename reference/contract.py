@@ -40,6 +40,8 @@ import numpy as np
 def host_ints(values, field: str) -> np.ndarray:
     """A flat host array of integers as int64; floats and bools are refused, not truncated."""
     arr = np.asarray(values)
+    if arr.ndim == 1 and arr.size == 0:  # an empty list carries no dtype
+        return arr.astype(np.int64)
     if arr.ndim != 1 or arr.dtype.kind not in "iu":
         raise ValueError(f"{field}: expected a flat array of integers, got {arr.dtype} "
                          f"of shape {arr.shape}")
@@ -55,7 +57,9 @@ def check_lengths(cu_seqlens_q: np.ndarray,
     cu_seqlens_q = host_ints(cu_seqlens_q, "cu_seqlens_q")
     seq_lens = host_ints(seq_lens, "seq_lens")
     num_seqs = len(seq_lens)
-    if len(cu_seqlens_q) != num_seqs + 1 or num_seqs == 0:
+    if num_seqs == 0:
+        raise ValueError("seq_lens: a batch needs at least one sequence")
+    if len(cu_seqlens_q) != num_seqs + 1:
         raise ValueError(f"cu_seqlens_q: expected {num_seqs + 1} entries for {num_seqs} "
                          f"sequences, got {len(cu_seqlens_q)}")
     q_lens = np.diff(cu_seqlens_q)
@@ -102,6 +106,13 @@ def check_paged_inputs(
     """Raise ValueError naming the first input that breaks the contract (no device sync)."""
     cu, lens = check_lengths(cu_seqlens_q, seq_lens)
     check_arrays(q, k_cache, v_cache, block_tables, int(cu[-1]), len(lens), int(lens.max()))
+
+
+def check_scale(scale) -> None:
+    """Any finite real scale is attention (a kernel may compile in positive ones only)."""
+    if isinstance(scale, bool) or not isinstance(scale, (int, float)) or \
+            not math.isfinite(scale):
+        raise ValueError(f"scale: expected a finite float, got {scale!r}")
 
 
 def check_variant(window, softcap, sinks, num_heads: int) -> None:

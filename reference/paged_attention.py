@@ -12,7 +12,7 @@ from __future__ import annotations
 import mlx.core as mx
 import numpy as np
 
-from .contract import check_paged_inputs, check_variant
+from .contract import check_paged_inputs, check_scale, check_variant
 
 _HALF = (mx.float16, mx.bfloat16)
 
@@ -152,6 +152,7 @@ def paged_attention(
 ) -> mx.array:
     """The contract of `reference.contract`, one gather + SDPA per sequence."""
     check_paged_inputs(q, k_cache, v_cache, block_tables, cu_seqlens_q, seq_lens)
+    check_scale(scale)
     check_variant(window, softcap, sinks, q.shape[1])
     outs = []
     for s in range(len(seq_lens)):

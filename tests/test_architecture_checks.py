@@ -25,7 +25,7 @@ from mlx_lm.models.rope_utils import (
     YarnRoPE,
 )
 
-from paged_prefix.architectures import ARRAY_OFFSET_ROPES, check_model
+from paged_prefix.architectures import ARRAY_OFFSET_ROPES, architecture, check_model
 from paged_prefix.kv_cache import PagedKVCache
 from paged_prefix.model_loader import load_model, read_config
 from paged_prefix.models import (
@@ -78,7 +78,26 @@ CONFIG_REFUSALS = {
     # a transformers 5 config: rope_parameters only
     "rope-parameters": ("llama-test", dict(rope_theta=ABSENT, rope_parameters=dict(
         rope_type="default", rope_theta=10000.0)), "rope_parameters"),
+    "required-field": ("qwen3-test", dict(tie_word_embeddings=ABSENT),
+                       "tie_word_embeddings: missing; mlx-lm's qwen3 class requires"),
+    # mlx-lm's gemma2 divides by the caps; Hugging Face reads null as no cap
+    "gemma2-null-attn-cap": ("gemma2-test", dict(attn_logit_softcapping=None),
+                             "attn_logit_softcapping: null"),
+    "gemma2-null-final-cap": ("gemma2-test", dict(final_logit_softcapping=None),
+                              "final_logit_softcapping: null"),
+    # mlx-lm's constructors look up a layer of each kind they need
+    "llama-no-full-layer": ("llama-test", dict(layer_types=["sliding_attention"] * 2,
+                                               sliding_window=20), "layer_types: .* no full"),
+    "gpt-oss-no-sliding-layer": ("gpt-oss-test", dict(layer_types=["full_attention"] * 2),
+                                 "layer_types: .* lacks"),
 }
+# fields Hugging Face and mlx-lm read differently when missing (architectures.MustState)
+for _name, _field in (("llama-test", "tie_word_embeddings"), ("qwen2-test", "tie_word_embeddings"),
+                      ("mistral-test", "tie_word_embeddings"), ("mistral-test", "sliding_window"),
+                      ("gemma2-test", "query_pre_attn_scalar"), ("gemma3-test", "sliding_window"),
+                      ("qwen3-next-test", "norm_topk_prob")):
+    CONFIG_REFUSALS[f"{_name}-{_field}-unstated"] = (
+        _name, {_field: ABSENT}, f"{_field}: a .* config must state it: Hugging Face reads")
 # refused from the built model
 MODEL_REFUSALS = {
     "chunked-layers": ("llama-test", dict(layer_types=["chunked_attention", "full_attention"]),
@@ -130,6 +149,65 @@ def test_a_model_the_runner_cannot_reproduce_is_refused_before_its_weights_load(
     monkeypatch.setattr(mx, "eval", read)  # the folder's weights stay lazy until evaluated
     with pytest.raises(ValueError, match=pattern):
         load_model(tmp_path)
+
+
+YARN = dict(rope_type="yarn", factor=4.0, original_max_position_embeddings=32)
+# RoPE scaling the model's class drops (plain RoPE built), refused by the loader from the built
+# model before any weight is read
+ROPE_REFUSALS = {
+    "llama-rope-parameters": ("llama-test", dict(rope_parameters=dict(
+        rope_type="llama3", rope_theta=10000.0, factor=8.0, low_freq_factor=1.0,
+        high_freq_factor=4.0, original_max_position_embeddings=32)),
+        "rope_parameters: llama3 RoPE scaling .* llama class builds RoPE"),
+    "gemma3-rope-parameters": ("gemma3-test", dict(rope_scaling=ABSENT, rope_parameters=dict(
+        full_attention=dict(rope_type="linear", factor=8.0, rope_theta=1e6),
+        sliding_attention=dict(rope_type="default", rope_theta=1e4))),
+        "rope_parameters: linear RoPE scaling"),
+    "qwen3-moe-yarn": ("qwen3-moe-test", dict(rope_scaling=YARN), "rope_scaling: yarn"),
+    "mixtral-yarn": ("mixtral-test", dict(rope_scaling=YARN), "rope_scaling: yarn"),
+    "gemma2-linear": ("gemma2-test", dict(rope_scaling=dict(rope_type="linear", factor=4.0)),
+                      "rope_scaling: linear"),
+    "lfm2-linear": ("lfm2-test", dict(rope_scaling=dict(type="linear", factor=4.0)),
+                    "rope_scaling: linear"),
+}
+
+
+@pytest.mark.parametrize("case", ROPE_REFUSALS)
+def test_rope_scaling_the_models_class_drops_is_refused_before_its_weights_load(
+        case, tmp_path, monkeypatch):
+    name, overrides, pattern = ROPE_REFUSALS[case]
+    config = refused_config(name, overrides)
+    arch = resolve_config(config) and architecture(config["model_type"])
+    model = arch.module.Model(arch.model_args.from_dict(config))  # what mlx-lm builds
+    hf_config(config, tmp_path)
+    mx.save_safetensors(str(tmp_path / "model.safetensors"), dict(tree_flatten(model.parameters())))
+
+    def read(*arrays):
+        raise AssertionError("a weight was read before the model was checked")
+    monkeypatch.setattr(mx, "eval", read)
+    with pytest.raises(ValueError, match=pattern):
+        load_model(tmp_path)
+
+
+@pytest.mark.parametrize("name, scaling", [
+    ("qwen3-test", YARN), ("llama-test", dict(type="linear", factor=2.0)),
+    ("gemma3-test", dict(rope_type="linear", factor=8.0)),  # its global layers only
+    ("llama-test", dict(rope_type="mrope", mrope_section=[8, 12, 12]))])
+def test_rope_scaling_the_models_class_applies_loads(name, scaling, tmp_path):
+    folder = write_folder({**BUILTIN_CONFIGS[name], "rope_scaling": scaling}, tmp_path / "m",
+                          None, mx.float32)
+    model = load_model(folder)
+    assert any(type(layer.self_attn.rope) is not nn.RoPE or layer.self_attn.rope.scale != 1.0
+               for layer in model.layers) == (scaling.get("rope_type") != "mrope")
+
+
+def test_dense_experts_outside_float32_are_refused_on_the_cpu(tmp_path):
+    """MLX's CPU gather_mm runs float32 only: refused at load, naming the dtype, not at the
+    first forward."""
+    folder = write_folder("mixtral-test", tmp_path / "m", None, mx.bfloat16)
+    with pytest.raises(ValueError, match=r"dtype: mlx.core.bfloat16 experts .* float32"):
+        load_model(folder)
+    assert load_model(folder, mx.float32).layers[0].block_sparse_moe.switch_mlp is not None
 
 
 @pytest.mark.parametrize("module, args", [(gemma2, "Gemma2Args"), (mixtral, "MixtralArgs")])

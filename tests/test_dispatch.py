@@ -363,6 +363,12 @@ def test_geometry_checks_its_fields():
         Geometry(6, 4, 64, 16, mx.float16, 0.1)
     with pytest.raises(ValueError, match="head_dim"):
         Geometry(8, 2, 64.0, 16, mx.float16, 0.1)
+    for scale in (float("nan"), float("inf"), "0.125", True):
+        with pytest.raises(ValueError, match="scale"):
+            Geometry(8, 2, 64, 16, mx.float16, scale)
+    for dtype in ("float16", mx.int32, mx.float64):
+        with pytest.raises(ValueError, match="dtype"):
+            Geometry(8, 2, 64, 16, dtype, 0.1)
 
 
 def test_the_dense_oracle_sees_the_fake_error():

@@ -126,6 +126,9 @@ def test_write_checks_its_arguments():
         cache.write(0, kv[:1], kv[:1], slots)
     with pytest.raises(ValueError, match="layer"):
         cache.write(2, kv, kv, slots)
+    for bad in (mx.zeros((2, 2, 64), mx.int32), np.zeros((2, 2, 64), np.float16)):
+        with pytest.raises(ValueError, match="keys: expected a floating mx.array"):
+            cache.write(0, bad, kv, slots)
 
 
 @pytest.mark.parametrize("field, value", [("num_blocks", 0), ("block_size", -1),

@@ -145,6 +145,17 @@ def test_overlapping_writes_are_refused():
     with pytest.raises(ValueError, match="fills it only up to token 20"):
         build_batch_metadata([req("b", scheduled=20, blocks=(3, 1, 7)),
                               req("a", computed=32, blocks=(3, 1, 5))], BS, 8)
+    # at the edge: b must fill block 1 up to a's 32nd token, no row short of it
+    with pytest.raises(ValueError, match="fills it only up to token 31"):
+        build_batch_metadata([req("b", scheduled=31, blocks=(3, 1, 7)),
+                              req("a", computed=32, blocks=(3, 1, 5))], BS, 8)
+    build_batch_metadata([req("b", scheduled=32, blocks=(3, 1, 7)),
+                          req("a", computed=32, blocks=(3, 1, 5))], BS, 8)
+
+
+def test_requests_must_be_a_sequence():
+    with pytest.raises(ValueError, match="requests: expected a sequence"):
+        build_batch_metadata((r for r in [req("a")]), BS, 8)
 
 
 def test_shared_prefix_blocks_stay_legal():
@@ -164,6 +175,7 @@ def test_shared_prefix_blocks_stay_legal():
     (dict(context_lens=[-3]), "context_lens"),
     (dict(context_lens=[1, 2]), "context_lens"),
     (dict(block_tables=[[1]]), "block_tables"),
+    (dict(block_tables=5), "block_tables: expected one sequence of block ids"),
     (dict(block_size=0), "block_size"),
     (dict(num_blocks=0), "num_blocks"),
     (dict(num_blocks=2**40), "num_blocks"),

@@ -125,6 +125,14 @@ def test_contract_violations_name_the_input(change, field):
         reference.paged_attention(q, k, v, c.block_tables, c.cu_seqlens_q, c.seq_lens, 0.125)
 
 
+@pytest.mark.parametrize("scale", [float("nan"), float("-inf"), "0.125", False])
+def test_a_bad_scale_is_named(scale):
+    c = PagedCase([5], [20], 4, 2, 64, 16, mx.float32, seed=3)
+    with pytest.raises(ValueError, match="scale"):
+        reference.paged_attention(c.q, c.k_cache, c.v_cache, c.block_tables, c.cu_seqlens_q,
+                                  c.seq_lens, scale)
+
+
 @pytest.mark.parametrize("cu, lens, field", [
     ([0, 5, 5], [25, 3], "cu_seqlens_q"),
     ([1, 5], [25], "cu_seqlens_q"),
@@ -135,6 +143,7 @@ def test_contract_violations_name_the_input(change, field):
     ([0, 5], [True], "seq_lens"),
     ([[0, 5]], [25], "cu_seqlens_q"),
     ([0, 5], [2**64 - 1], "seq_lens"),
+    ([0], [], "seq_lens: a batch needs at least one sequence"),
 ])
 def test_bad_lengths_name_the_field(cu, lens, field):
     c = PagedCase([5], [20], 4, 2, 64, 16, mx.float32, seed=3)

@@ -103,6 +103,16 @@ BAD_STEPS = {
         "num_computed_tokens"),
     "a write into a block another request holds": (
         lambda: step({"b": 10, "c": 4}, [GOOD, new("c", [5, 6, 7, 8], ([1],))]), "block_ids"),
+    # 'a' (21 tokens in blocks 1-2) gets block 3 for its later tokens while 'b' writes it
+    "a block appended to 'a' that another request writes": (
+        lambda: step({"b": 10, "a": 1}, [GOOD], cached(["a"], [([3],)], [20])),
+        "writes block 3, which 'a' holds for its later tokens"),
+    "a block appended that the request already holds": (
+        lambda: step({"b": 10, "a": 1}, [GOOD], cached(["a"], [([2],)], [20])),
+        "'a' holds block 2 twice"),
+    "a new request holding a block twice": (
+        lambda: step({"b": 10, "c": 2}, [GOOD, new("c", [5, 6], ([4, 4],))]),
+        "'c' holds block 4 twice"),
     "cached request twice": (
         lambda: step({"b": 10, "a": 1}, [GOOD], cached(["a", "a"], [None, None], [20, 20])),
         "scheduled_cached_reqs"),

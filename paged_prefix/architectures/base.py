@@ -81,6 +81,16 @@ def accept_config(config: dict) -> None:
 
 
 @dataclass(frozen=True)
+class MustState:
+    """A config field that Hugging Face's class (what vLLM and the checkpoint's authors run)
+    and mlx-lm's read differently when it is missing: a config must state it."""
+
+    field: str
+    hugging_face: object  # what each reads a missing field as
+    mlx_lm: object
+
+
+@dataclass(frozen=True)
 class Architecture:
     """One model type: mlx-lm's model file, the args class its models are built with (mlx-lm's,
     or a subclass keeping config fields mlx-lm drops but the attention depends on), and the
@@ -98,6 +108,7 @@ class Architecture:
     # each layer's recurrent module (hybrid models), None on its attention layers
     recurrent: Callable[[nn.Module], list[RecurrentLayer | None]] = no_recurrent_layers
     norm: Callable[[nn.Module, mx.array], mx.array] = final_norm  # last hidden rows -> normed
+    must_state: tuple[MustState, ...] = ()
 
     @property
     def model_args(self) -> type:

@@ -20,6 +20,7 @@ from mlx_lm.models import gemma2, gemma3_text
 from .base import (
     Architecture,
     LayerAttention,
+    MustState,
     layer_type_windows,
     module_attention,
 )
@@ -73,6 +74,13 @@ def _gemma3_embedding(model: nn.Module, ids: mx.array) -> mx.array:
     return h * mx.array(model.args.hidden_size**0.5, mx.bfloat16).astype(h.dtype)
 
 
+def _check_gemma2(config: dict) -> None:
+    for field in ("attn_logit_softcapping", "final_logit_softcapping"):
+        if field in config and config[field] is None:
+            raise ValueError(f"{field}: null in a gemma2 config; mlx-lm's gemma2 class caps by "
+                             "a number (Gemma 2 checkpoints: 50.0 and 30.0)")
+
+
 def _check_gemma3(config: dict) -> None:
     for field in ("attn_logit_softcapping", "final_logit_softcapping"):
         if config.get(field) is not None:
@@ -89,7 +97,10 @@ def _check_gemma3(config: dict) -> None:
 
 ARCHITECTURES = (
     Architecture("gemma2", "Gemma2ForCausalLM", gemma2, _gemma2_attention, args=Gemma2Args,
-                 embed=_gemma2_embedding, logits=_gemma2_logits),
+                 check_config=_check_gemma2, embed=_gemma2_embedding, logits=_gemma2_logits,
+                 must_state=(MustState("query_pre_attn_scalar", hugging_face=256,
+                                       mlx_lm=144.0),)),
     Architecture("gemma3_text", "Gemma3ForCausalLM", gemma3_text, _gemma3_attention,
-                 check_config=_check_gemma3, embed=_gemma3_embedding),
+                 check_config=_check_gemma3, embed=_gemma3_embedding,
+                 must_state=(MustState("sliding_window", hugging_face=4096, mlx_lm=512),)),
 )

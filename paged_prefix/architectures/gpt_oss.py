@@ -22,4 +22,13 @@ def _attention(model: nn.Module) -> list[LayerAttention]:
     return [replace(a, sinks=True) for a in layers]
 
 
-ARCHITECTURES = (Architecture("gpt_oss", "GptOssForCausalLM", gpt_oss, _attention),)
+def _check_config(config: dict) -> None:
+    layer_types = config.get("layer_types")
+    if isinstance(layer_types, list) and \
+            not {"sliding_attention", "full_attention"} <= set(layer_types):
+        raise ValueError(f"layer_types: {layer_types} lacks a sliding_attention or a "
+                         "full_attention layer; mlx-lm's gpt_oss class needs both")
+
+
+ARCHITECTURES = (Architecture("gpt_oss", "GptOssForCausalLM", gpt_oss, _attention,
+                              check_config=_check_config),)

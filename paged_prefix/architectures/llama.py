@@ -10,7 +10,9 @@ from __future__ import annotations
 import mlx.nn as nn
 from mlx_lm.models import llama
 
-from .base import Architecture, LayerAttention, layer_type_windows, module_attention
+from .base import Architecture, LayerAttention, MustState, layer_type_windows, module_attention
+
+TIED = MustState("tie_word_embeddings", hugging_face=False, mlx_lm=True)
 
 
 def _llama_attention(model: nn.Module) -> list[LayerAttention]:
@@ -28,15 +30,18 @@ def _mistral_attention(model: nn.Module) -> list[LayerAttention]:
     return module_attention(model, [args.sliding_window or None] * len(model.layers))
 
 
-def _check_mistral(config: dict) -> None:
-    # Hugging Face's MistralConfig reads a missing sliding_window as 4096, mlx-lm as none
-    if "sliding_window" not in config:
-        raise ValueError("sliding_window: a mistral config must state it (null for full "
-                         "attention): Hugging Face reads a missing one as 4096, mlx-lm as none")
+def _check_llama(config: dict) -> None:
+    layer_types = config.get("layer_types")
+    if isinstance(layer_types, list) and "full_attention" not in layer_types:
+        raise ValueError(f"layer_types: {layer_types} has no full_attention layer; mlx-lm's llama "
+                         "class needs one")
 
 
 ARCHITECTURES = (
-    Architecture("llama", "LlamaForCausalLM", llama, _llama_attention),
+    Architecture("llama", "LlamaForCausalLM", llama, _llama_attention, check_config=_check_llama,
+                 must_state=(TIED,)),
+    # null states full attention
     Architecture("mistral", "MistralForCausalLM", llama, _mistral_attention,
-                 check_config=_check_mistral),
+                 check_config=_check_llama,
+                 must_state=(TIED, MustState("sliding_window", hugging_face=4096, mlx_lm=None))),
 )

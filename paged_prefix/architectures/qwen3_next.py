@@ -15,7 +15,7 @@ from mlx_lm.models import qwen3_next
 
 from ..recurrent import qwen3_next as gated_delta_states
 from ..recurrent_layers import PagedGatedDeltaNet
-from .base import Architecture, LayerAttention, RecurrentLayer
+from .base import Architecture, LayerAttention, MustState, RecurrentLayer
 
 
 def _attention(model: nn.Module) -> list[LayerAttention | None]:
@@ -55,4 +55,6 @@ def _check_config(config: dict) -> None:
 
 
 ARCHITECTURES = (Architecture("qwen3_next", "Qwen3NextForCausalLM", qwen3_next, _attention,
-                              check_config=_check_config, recurrent=_recurrent),)
+                              check_config=_check_config, recurrent=_recurrent,
+                              must_state=(MustState("norm_topk_prob", hugging_face=True,
+                                                    mlx_lm=False),)),)
