@@ -78,6 +78,9 @@ CONFIG_REFUSALS = {
     # a transformers 5 config: rope_parameters only
     "rope-parameters": ("llama-test", dict(rope_theta=ABSENT, rope_parameters=dict(
         rope_type="default", rope_theta=10000.0)), "rope_parameters"),
+    # where mlx-lm's class requires rope_theta too, the missing field named is still this one
+    "rope-parameters-only": ("qwen3-moe-test", dict(rope_theta=ABSENT, rope_parameters=dict(
+        rope_type="default", rope_theta=10000.0)), "rope_parameters: mlx-lm's qwen3_moe"),
     "required-field": ("qwen3-test", dict(tie_word_embeddings=ABSENT),
                        "tie_word_embeddings: missing; mlx-lm's qwen3 class requires"),
     # mlx-lm's gemma2 divides by the caps; Hugging Face reads null as no cap

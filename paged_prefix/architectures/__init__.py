@@ -44,15 +44,15 @@ def check_config(config: dict) -> Architecture:
     """The config's architecture; refuses what its model class would drop or get wrong."""
     arch = architecture(config.get("model_type"))
     args = {f.name for f in fields(arch.model_args)}
+    if "rope_parameters" in config and "rope_theta" not in config and \
+            "rope_parameters" not in args:
+        raise ValueError(f"rope_parameters: mlx-lm's {arch.model_type} class reads rope_theta "
+                         "and rope_scaling, which this config does not give")
     required = [f.name for f in fields(arch.model_args) if f.init and f.name not in config
                 and f.default is MISSING and f.default_factory is MISSING]
     if required:
         raise ValueError(f"{required[0]}: missing; mlx-lm's {arch.model_type} class requires "
                          f"{', '.join(required)}")
-    if "rope_parameters" in config and "rope_theta" not in config and \
-            "rope_parameters" not in args:
-        raise ValueError(f"rope_parameters: mlx-lm's {arch.model_type} class reads rope_theta "
-                         "and rope_scaling, which this config does not give")
     for stated in arch.must_state:
         if stated.field not in config:
             raise ValueError(f"{stated.field}: a {arch.model_type} config must state it: Hugging "
