@@ -81,9 +81,14 @@ class StackedLinear:
 
     def _stacked(self, layers: tuple[nn.Module, ...]) -> bool:
         """Whether the layers hold what they held when last stacked (nothing replaced, no
-        bias added or dropped)."""
-        held = _held(layers)
-        return len(held) == len(self._views) and all(a is b for a, b in zip(held, self._views))
+        bias added or dropped). Every layer of every forward asks: a plain loop, no tuple."""
+        views = self._views
+        if len(views) != 2 * len(layers):
+            return False
+        for i, layer in enumerate(layers):
+            if layer.get("weight") is not views[2 * i] or layer.get("bias") is not views[2 * i + 1]:
+                return False
+        return True
 
     def _stack(self, layers: tuple[nn.Module, ...], biased: bool) -> None:
         names = ("weight", "bias") if biased else ("weight",)
