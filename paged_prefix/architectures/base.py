@@ -90,6 +90,10 @@ class MustState:
     mlx_lm: object
 
 
+# Llama's, Mistral's and Qwen2's: mlx-lm's classes tie a missing one
+TIED_EMBEDDINGS = MustState("tie_word_embeddings", hugging_face=False, mlx_lm=True)
+
+
 @dataclass(frozen=True)
 class Architecture:
     """One model type: mlx-lm's model file, the args class its models are built with (mlx-lm's,

@@ -10,9 +10,14 @@ from __future__ import annotations
 import mlx.nn as nn
 from mlx_lm.models import llama
 
-from .base import Architecture, LayerAttention, MustState, layer_type_windows, module_attention
-
-TIED = MustState("tie_word_embeddings", hugging_face=False, mlx_lm=True)
+from .base import (
+    TIED_EMBEDDINGS,
+    Architecture,
+    LayerAttention,
+    MustState,
+    layer_type_windows,
+    module_attention,
+)
 
 
 def _llama_attention(model: nn.Module) -> list[LayerAttention]:
@@ -39,9 +44,10 @@ def _check_llama(config: dict) -> None:
 
 ARCHITECTURES = (
     Architecture("llama", "LlamaForCausalLM", llama, _llama_attention, check_config=_check_llama,
-                 must_state=(TIED,)),
-    # null states full attention
+                 must_state=(TIED_EMBEDDINGS,)),
+    # a Mistral config states its window, null for full attention
     Architecture("mistral", "MistralForCausalLM", llama, _mistral_attention,
                  check_config=_check_llama,
-                 must_state=(TIED, MustState("sliding_window", hugging_face=4096, mlx_lm=None))),
+                 must_state=(TIED_EMBEDDINGS,
+                             MustState("sliding_window", hugging_face=4096, mlx_lm=None))),
 )

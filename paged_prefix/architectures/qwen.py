@@ -4,13 +4,12 @@ from __future__ import annotations
 
 from mlx_lm.models import qwen2, qwen3, qwen3_moe
 
-from .base import Architecture, MustState, module_attention, refuse_sliding_window_flag
+from .base import TIED_EMBEDDINGS, Architecture, module_attention, refuse_sliding_window_flag
 
 ARCHITECTURES = tuple(
     Architecture(model_type, hf, module, module_attention,
                  check_config=refuse_sliding_window_flag, must_state=stated)
     for model_type, hf, module, stated in (
-        ("qwen2", "Qwen2ForCausalLM", qwen2,
-         (MustState("tie_word_embeddings", hugging_face=False, mlx_lm=True),)),
+        ("qwen2", "Qwen2ForCausalLM", qwen2, (TIED_EMBEDDINGS,)),
         ("qwen3", "Qwen3ForCausalLM", qwen3, ()),
         ("qwen3_moe", "Qwen3MoeForCausalLM", qwen3_moe, ())))
