@@ -38,11 +38,11 @@ import mlx.core as mx
 import numpy as np
 
 from jit_kernels.arrays import device_array
+from jit_kernels.geometry import CALL_DTYPES
 
 from .kv_layout import KVLayout
 from .validate import as_int, as_ints, index_dtype
 
-SUPPORTED_DTYPES = (mx.float16, mx.bfloat16, mx.float32)
 # More runs than this are scattered: each run is two slice-update ops to build per layer.
 MAX_SLICE_RUNS = 4
 
@@ -82,8 +82,8 @@ class PagedKVCache:
                             ("block_size", block_size), ("num_kv_heads", num_kv_heads),
                             ("head_dim", head_dim)):
             as_int(value, name, low=1)
-        if dtype not in SUPPORTED_DTYPES:
-            raise ValueError(f"dtype must be one of {SUPPORTED_DTYPES}, got {dtype}")
+        if dtype not in CALL_DTYPES:  # what the attention's calls take
+            raise ValueError(f"dtype must be one of {CALL_DTYPES}, got {dtype}")
         if not isinstance(heads_major, bool):
             raise ValueError(f"heads_major: expected a bool, got {heads_major!r}")
         layout = layout or KVLayout.single(num_layers)
