@@ -7,8 +7,7 @@ Python's GIL released. `StepLauncher(threaded=True)` runs it on a thread of its 
 the encoding overlaps what the calling thread does next: vLLM's engine taking the step
 before's output and scheduling the next, and the next step's plan. On an H100 it took the
 served TPOT of one request at a time from 7.0 to 5.4 ms (docs/results.md, "H100: the launch
-thread"). It is opt-in (PAGED_PREFIX_LAUNCH_THREAD=1): its tests run on MLX's CPU backend, and
-have not yet run on a GPU.
+thread"). So it is the default on CUDA; PAGED_PREFIX_LAUNCH_THREAD=0 or 1 sets it anywhere.
 
 MLX gives every thread its own default stream and command encoder, and a thread can evaluate
 only its own streams' ops or those of a stream made by `mx.new_thread_unsafe_stream`, whose one
@@ -25,8 +24,9 @@ read racing the launch thread evaluates the same graph twice at once, which cras
 backend (a segfault in its matmul) when a test did it.
 
 On MLX's CPU backend the launch is the step's computation (the cores run its matmuls), so a
-thread of its own buys nothing there. `StepLauncher(threaded=False)` (the default) launches on
-the calling thread, and `building()` and `wait()` do nothing.
+thread of its own buys nothing there; on Metal it has not been measured. There the default is
+`StepLauncher(threaded=False)`: it launches on the calling thread, and `building()` and
+`wait()` do nothing.
 """
 
 from __future__ import annotations
@@ -79,19 +79,24 @@ class StepLauncher:
 
     @classmethod
     def from_env(cls) -> StepLauncher:
-        """Threaded where PAGED_PREFIX_LAUNCH_THREAD=1; logged either way."""
+        """Threaded where PAGED_PREFIX_LAUNCH_THREAD=1, or where it is unset and MLX runs on
+        CUDA (where it was measured); logged either way, with why."""
         setting = os.environ.get(ENV_VAR, "")
         if setting not in ("", "0", "1"):
             raise ValueError(f"{ENV_VAR}: expected 0 or 1 (or unset), got {setting!r}")
-        threaded = setting == "1"
+        if setting:
+            threaded, why = setting == "1", f"{ENV_VAR}={setting}"
+        else:
+            threaded = mx.cuda.is_available() and mx.default_device() == mx.gpu
+            why = (f"the default on CUDA ({ENV_VAR}=0 turns it off)" if threaded else
+                   f"the default off CUDA ({ENV_VAR}=1 turns it on)")
         if threaded:
             logger.info("paged_prefix: steps sampled on the device are sent to it from a thread "
-                        "of their own (%s=1: MLX's encoding of a step overlaps the engine's "
-                        "work); other steps by the thread that builds them", ENV_VAR)
+                        "of their own, so that MLX's encoding of a step overlaps the engine's "
+                        "work (%s); other steps by the thread that builds them", why)
         else:
             logger.info("paged_prefix: steps are sent to the device by the thread that builds "
-                        "them (%s=1 sends steps sampled on the device from a thread of their "
-                        "own)", ENV_VAR)
+                        "them (%s)", why)
         return cls(threaded)
 
     def building(self):

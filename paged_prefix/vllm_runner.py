@@ -20,9 +20,9 @@ engine schedules the next step before it takes this one's output, so the host's 
 (scheduling, the metadata, the graph) overlaps the device's. A step is launched only once the
 one before has finished: MLX holds a running step's arrays, and a cache write into an array it
 holds would copy the whole array (`runner._release_last_step`). The step launcher
-(`launch.py`) sends it, by the engine's thread or, with PAGED_PREFIX_LAUNCH_THREAD=1, a step
-sampled on the device from a thread of its own. A request that asks for prompt
-logprobs has its prompt rows scored right after each forward of its prompt
+(`launch.py`) sends it, by the engine's thread or, on CUDA (PAGED_PREFIX_LAUNCH_THREAD), a
+step sampled on the device from a thread of its own. A request that asks for prompt logprobs
+has its prompt rows scored right after each forward of its prompt
 (`prompt_logprobs.py`); they go out whole with the step that computes its last prompt token.
 
 The scheduler owns prefix caching: it hashes blocks, finds hits and hands each request

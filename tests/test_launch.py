@@ -15,9 +15,14 @@ import pytest
 from paged_prefix import launch
 from paged_prefix.launch import StepLauncher
 
+ON_CUDA = mx.cuda.is_available() and mx.default_device() == mx.gpu
 
-@pytest.mark.parametrize(("setting", "threaded"), [(None, False), ("0", False), ("1", True)])
+
+@pytest.mark.parametrize(("setting", "threaded"),
+                         [(None, ON_CUDA), ("0", False), ("1", True)])
 def test_the_setting_picks_the_launch_thread_and_says_so(monkeypatch, caplog, setting, threaded):
+    """Unset, the thread is on where MLX runs on CUDA (where it was measured) and off elsewhere;
+    the log says which and why."""
     if setting is None:
         monkeypatch.delenv(launch.ENV_VAR, raising=False)
     else:
@@ -27,6 +32,8 @@ def test_the_setting_picks_the_launch_thread_and_says_so(monkeypatch, caplog, se
     assert launcher.threaded is threaded
     assert ("sent to it from a thread of their own" if threaded else
             "sent to the device by the thread that builds them") in caplog.text
+    assert (f"{launch.ENV_VAR}={setting}" if setting else
+            f"the default {'on' if threaded else 'off'} CUDA") in caplog.text
 
 
 @pytest.mark.parametrize("setting", ["yes", "2", " 1"])

@@ -9,18 +9,21 @@ greedy request at a time, each a new seeded prompt of token ids, every run in a 
 own (vLLM fixes its platform once a process), one after the other:
   vllm async   vllm.LLM in this process (no API server), prefix caching on, asynchronous
                scheduling (vLLM's default): each step is scheduled and built before the
-               engine takes the step before's tokens;
+               engine takes the step before's tokens; steps sent to the device by the engine's
+               thread (PAGED_PREFIX_LAUNCH_THREAD=0);
   vllm async, launch thread
-               the same with PAGED_PREFIX_LAUNCH_THREAD=1: each step sent to the device from
-               the runner's launch thread (paged_prefix/launch.py);
+               the same with PAGED_PREFIX_LAUNCH_THREAD=1 (the default on CUDA): each step
+               sent to the device from the runner's launch thread (paged_prefix/launch.py);
   vllm sync    asynchronous scheduling off;
   mlx-lm       mlx_lm's generate_step over its own cache (it builds token n + 1's graph while
                token n runs).
-TPOT: (last token's time - first token's) / (tokens - 1), the median over requests. For the
-vLLM runs the runner's step log (DEBUG) gives the median decode step: its forward (graph build,
-then the wait for the step before), its sampling, and the time from one step's end to the
-next's start (the engine: outputs, scheduling); and Python's garbage collections while the
-requests ran (`gc`: count and time per generation).
+TPOT: (last token's time - first token's) / (tokens - 1), the median over requests. Each run's
+greedy tokens are compared with the first's (the vLLM runs' must be equal; mlx-lm's may part
+where a float sum rounds differently). For the vLLM runs the runner's step log (DEBUG) gives
+the median decode step: its forward (graph build, then the wait for the step before), its
+sampling, and the time from one step's end to the next's start (the engine: outputs,
+scheduling); and Python's garbage collections while the requests ran (`gc`: count and time per
+generation).
 """
 
 from __future__ import annotations
@@ -76,7 +79,7 @@ def run_vllm(model: str, args: argparse.Namespace, run: str) -> dict:
     log.setLevel(logging.DEBUG)
     collections = GcTime()
     gc.callbacks.append(collections)
-    results = []
+    results, tokens = [], []
     for i, ids in enumerate(prompts(args, engine.model_config.get_vocab_size())):
         engine.add_request(str(i), {"prompt_token_ids": ids}, params)
         times, seen = [], 0
@@ -85,13 +88,15 @@ def run_vllm(model: str, args: argparse.Namespace, run: str) -> dict:
                 n = len(out.outputs[0].token_ids)
                 times += [time.perf_counter()] * (n - seen)
                 seen = n
+                if out.finished:
+                    tokens.append(list(out.outputs[0].token_ids))
         results.append(tpot(times))
     gc.callbacks.remove(collections)
     log.setLevel(logging.INFO)
     runner = engine.engine_core.engine_core.model_executor.driver_worker.worker.runner
     steps, collected = decode_steps("\n".join(lines)), collections.summary()
     engine.engine_core.shutdown()  # unfreezes the heap
-    return {"tpot_ms": results, "steps": steps, "gc": collected,
+    return {"tpot_ms": results, "tokens": tokens, "steps": steps, "gc": collected,
             "steps_sampled_on_device": runner.steps_sampled_on_device,
             "forwards_built_while_running": runner.forwards_built_while_running,
             "steps_launched_in_thread": runner.launcher.launched_in_thread}
@@ -143,13 +148,15 @@ def run_mlx_lm(model: str, args: argparse.Namespace) -> dict:
     from mlx_lm.generate import generate_step
 
     model_, tokenizer = load(model)
-    results = []
+    results, tokens = [], []
     for ids in prompts(args, model_.args.vocab_size):
-        times = []
-        for _, _ in zip(range(args.output_len), generate_step(mx.array(ids), model_)):
+        times, out = [], []
+        for _, (token, _) in zip(range(args.output_len), generate_step(mx.array(ids), model_)):
             times.append(time.perf_counter())
+            out.append(int(token))
         results.append(tpot(times))
-    return {"tpot_ms": results}
+        tokens.append(out)
+    return {"tpot_ms": results, "tokens": tokens}
 
 
 def main(argv=None) -> int:
@@ -188,6 +195,10 @@ def main(argv=None) -> int:
     base = statistics.median(results["mlx-lm"]["tpot_ms"])
     for run in RUNS[:-1]:
         print(f"{run} / mlx-lm: {statistics.median(results[run]['tpot_ms']) / base:.3f}x")
+    first = results[RUNS[0]]["tokens"]
+    for run in RUNS[1:]:
+        same = sum(a == b for a, b in zip(first, results[run]["tokens"]))
+        print(f"{run}: greedy tokens of {same} of {len(first)} requests equal {RUNS[0]}'s")
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps({"model": model, "prompt_len": args.prompt_len,
                                     "output_len": args.output_len, "requests": args.requests,
