@@ -13,7 +13,7 @@ point only the keys from the first one a new query sees, with the causal mask, s
 runs it: its first queries see up to Lq - 1 keys past their window, work the other paths
 skip); reference = MLX gather + SDPA; sdpa = SDPA over the new K/V (C = 0) or pages copied
 by the backend's gather kernel; kernel = the backend's paged kernel; auto = the dispatcher's
-choice for a shape asked for before (its steady state: rules.CudaSdpaRule); gather = the
+choice for a shape asked for before (its long-run route: bench/steady_route.py); gather = the
 gather kernel alone (its GB/s counts bytes read + written).
 
 Per path: microseconds per call, TFLOP/s with FLOPs = 4 H D Lq (C + (Lq + 1) / 2) per
@@ -41,10 +41,10 @@ import numpy as np
 
 import reference
 from bench.gpu_time import gpu_us_together
+from bench.steady_route import steady_dispatcher
 from jit_kernels import ContiguousSdpa, GatheredSdpa, available_backends
 from jit_kernels.geometry import Geometry
 from paged_prefix.attention_metadata import AttentionMetadata, build_attention_metadata
-from paged_prefix.dispatch import Dispatcher
 
 HEADS, KV_HEADS, HEAD_DIM, BLOCK_SIZE, DTYPE = 32, 8, 128, 16, mx.bfloat16
 GEOMETRY = Geometry(HEADS, KV_HEADS, HEAD_DIM, BLOCK_SIZE, DTYPE, HEAD_DIM ** -0.5)
@@ -200,8 +200,8 @@ def path_fns(case: Case, g: Geometry, backend_name: str | None) -> dict:
             return backend.gathered.gather.launch(case.k_cache, case.v_cache, tables,
                                                   gather_plan)
         fns["gather"] = gather
-    dispatcher = Dispatcher("auto")
-    dispatcher.plan(m, g)  # a shape's first request runs the kernel (rules.CudaSdpaRule)
+    dispatcher = steady_dispatcher()
+    dispatcher.plan(m, g)  # a shape's first request runs the kernel (bench/steady_route.py)
     auto = dispatcher.plan(m, g)  # the route from then on
     fns["auto"] = lambda: auto(*args)
     return fns, auto.route.path

@@ -11,7 +11,7 @@ as the sweep but mixed8 (the output of one call must be the next's q: single seq
 decode batches, whose ceiling is one batched SDPA call).
 
 Paths: ceiling = SDPA on contiguous K/V; kernel = the paged kernel as planned; auto = the
-dispatcher's route for a shape asked for before.
+dispatcher's route for a shape asked for before (its long-run route: bench/steady_route.py).
 
 On CUDA the same chains are timed on the GPU alone too (bench/gpu_time.py: no host cost),
 cycling through copies of the case whose K/V together exceed twice the L2, as a forward's
@@ -30,8 +30,8 @@ import mlx.core as mx
 
 from bench.attention_sweep import GEOMETRY, make_case, point_cost, sweep_points
 from bench.gpu_time import gpu_us
+from bench.steady_route import steady_dispatcher
 from jit_kernels import available_backends
-from paged_prefix.dispatch import Dispatcher
 
 L2_BYTES = 50 * 2**20  # H100 / H200
 MAX_COPIES = 32
@@ -74,7 +74,7 @@ def run_point(point, backend) -> dict:
     row["kernel"] = chained_us(lambda x: kernel.launch(x, case.k_cache, case.v_cache, plan),
                                case.q)
     row["block_m"], row["items"] = plan.block_m, plan.tiles.num_items
-    dispatcher = Dispatcher("auto")
+    dispatcher = steady_dispatcher()
     dispatcher.plan(m, g)
     auto = dispatcher.plan(m, g)
     row["auto"] = chained_us(lambda x: auto(x, case.k_new, case.v_new, case.k_cache,

@@ -32,8 +32,8 @@ import mlx.core as mx
 import numpy as np
 from mlx_lm.models.cache import make_prompt_cache
 
+from bench.steady_route import steady_dispatcher
 from jit_kernels import available_backends
-from paged_prefix.dispatch import Dispatcher
 from paged_prefix.kv_cache import PagedKVCache
 from paged_prefix.metadata import BatchMetadata, ScheduledRequest, build_batch_metadata
 from paged_prefix.models import build_model, resolve_config
@@ -139,7 +139,7 @@ class Setup:
         """The timed step of a runner with its own dispatcher for `path` over the layout's
         model and cache (already patched and filled: the runner only wraps them)."""
         base = self.runners[layout]
-        runner = PagedModelRunner(base.model, base.kv_cache, Dispatcher(path))
+        runner = PagedModelRunner(base.model, base.kv_cache, steady_dispatcher(path))
         return PagedStep(runner, self.meta(hit, layout))
 
 

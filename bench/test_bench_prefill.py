@@ -24,7 +24,7 @@ MIN_ROUNDS, MAX_ROUNDS, ROUND_BUDGET_S = 5, 40, 1.5
 
 def rounds_for(step) -> int:
     """Time a third step (the first two warm up: an auto row's second step is the one that may
-    build a cuDNN graph, see rules.CudaSdpaRule); rounds that fit the budget."""
+    build a cuDNN graph, see bench/steady_route.py); rounds that fit the budget."""
     for _ in range(2):
         getattr(step, "prepare", lambda: None)()
         step()

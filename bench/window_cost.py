@@ -23,10 +23,10 @@ import mlx.core as mx
 
 from bench.attention_sweep import Point, ceiling_fn, checked, make_case, time_per_call
 from bench.gpu_time import gpu_us_together
+from bench.steady_route import steady_dispatcher
 from jit_kernels import ContiguousSdpa, GatheredSdpa, available_backends
 from jit_kernels.geometry import Geometry
 from paged_prefix.attention_metadata import build_attention_metadata
-from paged_prefix.dispatch import Dispatcher
 
 HEADS, KV_HEADS, HEAD_DIM, BLOCK_SIZE, DTYPE = 32, 8, 128, 16, mx.bfloat16
 GPU_CALLS = 10
@@ -65,7 +65,7 @@ def path_fns(point: Point, g: Geometry, backend_name: str | None) -> dict:
     if backend and backend.attention.unsupported_reason(g) is None:
         fns["kernel"] = checked([(backend.attention, backend.attention.plan(lengths, g, tables))],
                                 args)
-    auto = Dispatcher("auto")
+    auto = steady_dispatcher()
     auto.plan(m, g)
     attention = auto.plan(m, g)
     fns["auto"] = lambda: attention(*args)

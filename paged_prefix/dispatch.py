@@ -108,14 +108,18 @@ class Dispatcher:
         # route): a forward plans one per kind of layer, and a step run again reuses them
         self._planned: dict[int, tuple] = {}  # id(metadata) -> (metadata, {key: attention})
 
-    def plan(self, meta: AttentionMetadata, g: Geometry) -> ForwardAttention:
-        """Route, validate (canary on first use) and plan one forward; nothing is written."""
+    def plan(self, meta: AttentionMetadata, g: Geometry, layers: int = 1) -> ForwardAttention:
+        """Route, validate (canary on first use) and plan one forward of `layers` layers of
+        this geometry (the rules weigh a cuDNN graph, built once, against time per layer);
+        nothing is written."""
+        if not isinstance(layers, int) or isinstance(layers, bool) or layers < 1:
+            raise ValueError(f"layers: expected a number of layers >= 1, got {layers!r}")
         if g.block_size != meta.block_size:
             raise ValueError(f"geometry: block size {g.block_size} but the metadata was built "
                              f"for {meta.block_size}")
         try:
             chosen = route(meta.lengths, meta.block_tables_host, g, self.path, self.backends,
-                           self.rules)
+                           self.rules, layers)
         except ValueError as e:
             raise ValueError(f"{ENV_VAR}/{e}") from None
         chosen = self._validated(chosen, g)

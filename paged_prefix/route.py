@@ -117,10 +117,10 @@ def _sdpa_sources(sees_cache: np.ndarray, seqs, runs: dict[int, tuple[Run, ...]]
 
 
 def route(lengths: Lengths, block_tables: np.ndarray, geometry: Geometry, path: str,
-          backends: dict[str, KernelBackend], rules: dict) -> Route:
+          backends: dict[str, KernelBackend], rules: dict, layers: int = 1) -> Route:
     """The forward's route. `path`: "auto", "reference", "sdpa" or a backend's name (forced: a
     kernel that cannot run the call raises ValueError, never a silent fallback); `rules`: the
-    dispatcher's rule per backend name (`rules.rule_for`)."""
+    dispatcher's rule per backend name (`rules.rule_for`); `layers`: how many layers run it."""
     n, g = lengths.num_seqs, geometry
     if path == "reference":
         return Route("reference", "forced", None, (Source.REFERENCE,) * n)
@@ -166,7 +166,7 @@ def route(lengths: Lengths, block_tables: np.ndarray, geometry: Geometry, path: 
     why_not = backend.attention.unsupported_reason(g)
     if why_not:
         return with_sdpa(f"{name} kernel: {why_not}", gatherer)
-    pick = rules[name](lengths, g, one_run(runs))
+    pick = rules[name](lengths, g, one_run(runs), layers)
     if pick is None:
         return Route(name, "kernel supports the call and the measured rule picks it", name,
                      (Source.PAGED,) * n)

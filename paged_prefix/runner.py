@@ -195,12 +195,13 @@ class PagedModelRunner:
     @geometries.setter
     def geometries(self, geometries: tuple[Geometry, ...]) -> None:
         """Also the distinct (KV-cache group, geometry) pairs a forward plans once each, each
-        layer's pair among them, and the first layer of each (it runs the plan's entry check):
-        worked out here, not per forward."""
+        layer's pair among them, how many layers have each, and the first layer of each (it
+        runs the plan's entry check): worked out here, not per forward."""
         self._geometries = tuple(geometries)
         kinds = list(zip(self.kv_cache.layout.group_of, self._geometries, strict=True))
         self._kinds = tuple(dict.fromkeys(kinds))
         self._kind_of = tuple(self._kinds.index(k) for k in kinds)
+        self._layers_of_kind = tuple(self._kind_of.count(k) for k in range(len(self._kinds)))
         self._first_of_kind = frozenset(kinds.index(k) for k in self._kinds)
 
     def _check(self, meta: BatchMetadata) -> None:
@@ -243,7 +244,8 @@ class PagedModelRunner:
     def _plan(self, meta: BatchMetadata) -> tuple[tuple[ForwardAttention, ...], frozenset[int]]:
         """Each layer's planned attention, one plan per KV-cache group (its tables) and distinct
         geometry, and the layers that run each plan's entry check (the first of its kind)."""
-        planned = [self.dispatcher.plan(meta.groups[group].attn, g) for group, g in self._kinds]
+        planned = [self.dispatcher.plan(meta.groups[group].attn, g, layers)
+                   for (group, g), layers in zip(self._kinds, self._layers_of_kind)]
         return tuple(planned[i] for i in self._kind_of), self._first_of_kind
 
     def forward(self, meta: BatchMetadata, prompt_rows: np.ndarray | None = None) -> mx.array:

@@ -98,7 +98,7 @@ class FakeGather:
         return [(v, v) for _, v in kv] if self.broken else kv
 
 
-def never(lengths, g, runs):
+def never(lengths, g, runs, layers):
     return None
 
 
@@ -145,7 +145,7 @@ def test_auto_takes_the_kernel_when_it_supports_the_call():
 
 
 def test_auto_follows_the_backends_rule_and_support():
-    rule = lambda lengths, g, runs: SdpaPick((0, 1), "measured faster")  # noqa: E731
+    rule = lambda lengths, g, runs, layers: SdpaPick((0, 1), "measured faster")  # noqa: E731
     chosen = run(dispatcher(backend=fake_backend(), rule=rule, strict=True))
     assert (chosen.path, chosen.reason, chosen.backend) == ("sdpa", "measured faster", "fake")
     d = dispatcher(backend=fake_backend(), strict=True)
@@ -161,7 +161,7 @@ def test_a_batch_planned_again_reuses_its_plan_per_route():
     plans afresh."""
     asked = set()
 
-    def second_time_sdpa(lengths, g, runs):  # rules.CudaSdpaRule's shape memory, in small
+    def second_time_sdpa(lengths, g, runs, layers):  # rules.CudaSdpaRule's shape memory, in small
         key = tuple(lengths.q_lens)
         seen = key in asked
         asked.add(key)
@@ -187,7 +187,7 @@ def test_a_batch_planned_again_reuses_its_plan_per_route():
 def pick_long(monkeypatch):
     """CUDA's length rule, sending every prefill of >= 8 tokens to SDPA (a test's size)."""
     monkeypatch.setattr(rules, "CUDA_SDPA_MIN_Q", 8)
-    return lambda lengths, g, runs: rules.cuda_prefers_sdpa(lengths)
+    return lambda lengths, g, runs, layers: rules.cuda_prefers_sdpa(lengths)
 
 
 @pytest.mark.parametrize("q_lens,ctx,sdpa_seqs", [
@@ -216,7 +216,7 @@ def test_sdpa_reads_a_run_of_pages_in_place_and_gathers_the_rest(picked, path):
     in place; only sequence 1's are gathered (sequence 2 is one run too)."""
     seen = []
 
-    def rule(lengths, g, runs):
+    def rule(lengths, g, runs, layers):
         seen.append(dict(runs))
         return SdpaPick(picked, "measured faster")
     gather = FakeGather()
@@ -246,6 +246,26 @@ def test_page_runs_are_computed_once_per_forward(monkeypatch, pick_long):
         assert_close(attention(*args), c.oracle(0.125), mx.float16)
     assert d.last.path == "mixed" and len(calls) == 1
     assert d.last.sources == (Source.IN_PLACE, Source.PAGED, Source.GATHERED)
+
+
+def test_the_rule_weighs_the_layers_a_plan_serves():
+    """`plan(meta, g, layers)` hands the rule the number of layers that run the plan (a cuDNN
+    graph serves them all, kernel time adds up per layer); anything but a count >= 1 is
+    refused naming it, before the route."""
+    seen = []
+
+    def rule(lengths, g, runs, layers):
+        seen.append(layers)
+    d = dispatcher(backend=fake_backend(), rule=rule, strict=True)
+    c = PagedCase([9, 1], [20, 40], 8, 2, 64, 16, mx.float16, seed=3)
+    meta = build_attention_metadata([9, 1], [20, 40], c.pages, 16, c.num_blocks)
+    d.plan(meta, GEOMETRY)
+    d.plan(meta, GEOMETRY, 24)
+    assert seen == [1, 24]
+    for bad in (0, -2, 2.0, True, None):
+        with pytest.raises(ValueError, match="layers"):
+            d.plan(meta, GEOMETRY, bad)
+    assert seen == [1, 24]
 
 
 def test_rule_state_belongs_to_its_dispatcher():

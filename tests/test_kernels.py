@@ -18,6 +18,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import logging
+import math
 
 import mlx.core as mx
 import numpy as np
@@ -460,7 +461,7 @@ def test_dispatcher_mixes_sdpa_and_the_kernel(backend, monkeypatch):
     real = get_backend(backend)
     fresh = KernelBackend(real.name, real.attention, real.gathered)  # its own first-use checks
     d = dispatch.Dispatcher("auto", backends={real.name: fresh}, strict=True,
-                            rule_of=lambda b: lambda lengths, g, runs: rules.cuda_prefers_sdpa(
+                            rule_of=lambda b: lambda lengths, g, runs, layers: rules.cuda_prefers_sdpa(
                                 lengths))
     q_lens, ctx = [1, 40, 1, 33], [300, 0, 90, 21]
     case = PagedCase(q_lens, ctx, 8, 2, 64, 16, mx.float16, seed=6)
@@ -476,14 +477,14 @@ def test_dispatcher_mixes_sdpa_and_the_kernel(backend, monkeypatch):
     assert d.counts == {"mixed": 2}
 
 
-def ask(rule, cu, lens, g, table=None):
+def ask(rule, cu, lens, g, table=None, layers=1):
     """A rule's pick for host lengths, with the page runs the route would find in `table`
-    (none without one: every cached prefix gathered)."""
+    (none without one: every cached prefix gathered), for a forward of `layers` layers."""
     lengths = Lengths.of(cu, lens)
     cached = [s for s in range(lengths.num_seqs) if lengths.seq_lens[s] > lengths.q_lens[s]]
     runs = {} if table is None else one_run(page_runs(np.asarray(table), lengths, cached,
                                                       g.block_size))
-    return rule(lengths, g, runs)
+    return rule(lengths, g, runs, layers)
 
 
 @pytest.mark.parametrize("q_lens,ctx_lens,sdpa", [
@@ -501,7 +502,7 @@ def test_cuda_measured_rule(q_lens, ctx_lens, sdpa):
     assert want == sdpa
     pick = rules.cuda_prefers_sdpa(Lengths.of(cu, lens))
     assert (pick.seqs if pick else ()) == want
-    rule = rules.CudaSdpaRule()  # the backend's: SDPA only for shapes asked for before
+    rule = rules.CudaSdpaRule(graph_build_ms=0)  # every graph worth building: its second ask
     everyone = len(want) == len(q_lens)
     assert ask(rule, cu, lens, g) is None
     pick = ask(rule, cu, lens, g)
@@ -512,9 +513,8 @@ def test_cuda_measured_rule(q_lens, ctx_lens, sdpa):
     assert ask(rule, cu, lens, other) is None  # another geometry is another cuDNN graph
     if not want or everyone:
         return
-    for s in want:  # each long shape asked for twice alone: its graph is built
+    for s in want:  # each long shape alone: the mixed batches' kernel time paid for its graph
         alone_cu, alone_lens = np.array([0, q_lens[s]]), lens[s:s + 1]
-        assert ask(rule, alone_cu, alone_lens, g) is None
         assert ask(rule, alone_cu, alone_lens, g).seqs == (0,)
     assert ask(rule, cu, lens, g).seqs == want
 
@@ -522,7 +522,7 @@ def test_cuda_measured_rule(q_lens, ctx_lens, sdpa):
 def test_cuda_rule_counts_a_shape_new_to_the_batch_once():
     """Two sequences of one new shape in a batch: neither has its cuDNN graph yet."""
     g = Geometry(32, 8, 128, 16, mx.bfloat16, 128 ** -0.5)
-    rule = rules.CudaSdpaRule()
+    rule = rules.CudaSdpaRule(graph_build_ms=0)
     cu, lens = np.array([0, 300, 600]), np.array([400, 400])
     assert ask(rule, cu, lens, g) is None
     assert ask(rule, cu, lens, g).seqs == (0, 1)
@@ -530,16 +530,16 @@ def test_cuda_rule_counts_a_shape_new_to_the_batch_once():
 
 def test_cuda_rule_mixes_only_shapes_whose_graphs_are_built():
     """A long prefill beside decode rows goes to SDPA once a batch of long prefills ran its
-    shape there, never before (a mixed batch builds no graph, however often it comes); a
-    shape MLX has evicted (the rule's LRU of built shapes) goes back to the kernel."""
+    shape there, never before (a mixed batch builds no graph, however often it comes, though
+    its kernel time counts toward one); a shape MLX has evicted (the rule's LRU of built
+    shapes) goes back to the kernel."""
     g = Geometry(32, 8, 128, 16, mx.bfloat16, 128 ** -0.5)
-    rule = rules.CudaSdpaRule(capacity=2)
+    rule = rules.CudaSdpaRule(capacity=2, graph_build_ms=0)
     mixed_cu, mixed_lens = np.array([0, 1, 301, 302]), np.array([90, 1300, 40])
     for _ in range(3):
         assert ask(rule, mixed_cu, mixed_lens, g) is None
     alone = (np.array([0, 300]), np.array([1300]))
-    assert ask(rule, *alone, g) is None  # asked for the first time: the kernel
-    assert ask(rule, *alone, g).seqs == (0,)  # again: SDPA builds its graph
+    assert ask(rule, *alone, g).seqs == (0,)  # the mixed batches paid for it: SDPA builds it
     assert ask(rule, mixed_cu, mixed_lens, g).seqs == (1,)
     for q in (400, 500):  # two other shapes built: 300's graph is the least recently used
         for _ in range(2):
@@ -547,12 +547,50 @@ def test_cuda_rule_mixes_only_shapes_whose_graphs_are_built():
     assert ask(rule, mixed_cu, mixed_lens, g) is None
 
 
+@pytest.mark.parametrize("heads,head_dim,q_len,cached,layers,forwards", [
+    (32, 64, 256, 2048, 16, 3_834),   # the 1.1B config: a suffix over a cached prefix
+    (32, 128, 16384, 0, 32, 4),       # Llama-3-8B's shape: a fresh long prompt
+])
+def test_cuda_rule_builds_a_graph_once_the_kernel_has_paid_for_it(heads, head_dim, q_len, cached,
+                                                                   layers, forwards):
+    """Ski rental: a shape stays on the paged kernel until the kernel's estimated extra time
+    over its earlier forwards reaches a graph build (CUDA_GRAPH_BUILD_MS), then SDPA builds its
+    graph and keeps it. The counts are those rules.CudaSdpaRule's docstring gives."""
+    g = Geometry(heads, 8, head_dim, 16, mx.bfloat16, head_dim ** -0.5)
+    extra = rules.kernel_extra_ms(q_len, q_len + cached, g, layers)
+    assert forwards == math.ceil(rules.CUDA_GRAPH_BUILD_MS / extra)
+    rule = rules.CudaSdpaRule()
+    cu, lens = np.array([0, q_len]), np.array([q_len + cached])
+    assert all(ask(rule, cu, lens, g, layers=layers) is None for _ in range(forwards))
+    assert "worth building" in ask(rule, cu, lens, g, layers=layers).reason
+    assert "graphs are built" in ask(rule, cu, lens, g, layers=layers).reason
+    assert ask(rule, cu, lens, g, layers=1) is not None  # built: whatever the forward
+
+
+def test_cuda_rule_counts_mixed_batches_kernel_time_but_builds_in_none():
+    """A long prefill riding with a decode row never builds its graph (the decode row would
+    wait for it), however much its kernel time adds up; the first batch of long prefills alone
+    after that builds it."""
+    g = Geometry(32, 8, 128, 16, mx.bfloat16, 128 ** -0.5)
+    rule = rules.CudaSdpaRule()
+    mixed = (np.array([0, 1, 16385]), np.array([500, 16384]))
+    assert all(ask(rule, *mixed, g, layers=32) is None for _ in range(10))
+    assert ask(rule, np.array([0, 16384]), np.array([16384]), g, layers=32).seqs == (0,)
+    assert ask(rule, *mixed, g, layers=32).seqs == (1,)  # built: mixed batches take it too
+
+
+@pytest.mark.parametrize("bad", [-1.0, float("nan"), "1000", True, None])
+def test_cuda_rule_refuses_a_bad_graph_cost(bad):
+    with pytest.raises(ValueError, match="graph_build_ms"):
+        rules.CudaSdpaRule(graph_build_ms=bad)
+
+
 def test_cuda_rule_keeps_a_shape_per_layout():
     """K/V read as rows (pages in one run of blocks, read in place) and gathered K/V are two
     cuDNN graphs: a shape whose graph one layout built is new to the other. Without a table
     the SDPA plan gathers, and so does the rule count."""
     g = Geometry(32, 8, 128, 16, mx.bfloat16, 128 ** -0.5)
-    rule = rules.CudaSdpaRule()
+    rule = rules.CudaSdpaRule(graph_build_ms=0)
     cu, lens = np.array([0, 512]), np.array([4096])
     run = np.arange(3, 3 + 256, dtype=np.int32)[None]
     scattered = run[:, ::-1].copy()
@@ -731,21 +769,25 @@ def test_first_use_check_builds_every_tile_height(backend):
 
 
 def test_cuda_rule_forgets_shapes_as_mlx_evicts_their_graphs(monkeypatch):
-    """The rule's memory of shapes is an LRU of MLX's cuDNN graph-cache size: the least recently
-    asked shape is forgotten (its graph may be gone), a shape asked again is kept."""
+    """The rule's memories of shapes are LRUs of MLX's cuDNN graph-cache size: the least
+    recently asked shape is forgotten (its kernel time starts again from nothing; a built
+    graph may be gone), a shape asked again is kept."""
     g = Geometry(32, 8, 128, 16, mx.bfloat16, 128 ** -0.5)
 
     def ask(rule, q):
         return rule(Lengths.of(np.array([0, q]), np.array([q + 100])), g, {}) is not None
     monkeypatch.setenv("MLX_CUDA_SDPA_CACHE_SIZE", "3")
-    rule = rules.CudaSdpaRule()
+    rule = rules.CudaSdpaRule(graph_build_ms=0)
     assert rule.capacity == 3
-    for q in (300, 400, 500):
+    for q in (300, 400, 500, 600):  # 300's kernel time is forgotten
         assert not ask(rule, q)
-    assert ask(rule, 300)  # now the most recent
-    assert not ask(rule, 600)  # evicts 400, the least recently asked
-    assert ask(rule, 300) and ask(rule, 500) and not ask(rule, 400)
-    assert len(rule._asked) == 3
+    assert not ask(rule, 300)  # asked anew (and 400 forgotten)
+    assert ask(rule, 600) and ask(rule, 500) and ask(rule, 300) and not ask(rule, 400)
+    assert len(rule._kernel_ms) <= 3 and len(rule._built) == 3
+    for q in (700, 800):  # two more graphs built: 600's, the least recently used, is gone
+        ask(rule, q)
+        assert ask(rule, q)
+    assert not ask(rule, 600)
     with pytest.raises(ValueError, match="capacity"):
         rules.CudaSdpaRule(0)
     for bad in ("0", "many", "-3"):

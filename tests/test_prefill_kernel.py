@@ -11,6 +11,7 @@ stand-ins, its support rules, and the rule and dispatcher plumbing with a fake k
 from __future__ import annotations
 
 import logging
+import math
 
 import mlx.core as mx
 import numpy as np
@@ -110,10 +111,11 @@ class Supports:
 ])
 def test_rule_hands_cached_long_suffixes_to_the_prefill_kernel(q_lens, ctx_lens, first, then):
     """The first time a shape comes (no cuDNN graph) every picked sequence with a cached prefix
-    takes the prefill kernel; from the second, SDPA takes those under 4x (or over 2048 new)."""
+    takes the prefill kernel; once its graph is worth building (here from the second time:
+    graph_build_ms=0), SDPA takes those under 4x (or over 2048 new)."""
     cu = np.concatenate([[0], np.cumsum(q_lens)])
     lens = np.array(q_lens) + np.array(ctx_lens)
-    rule = rules.CudaSdpaRule(prefill=Supports())
+    rule = rules.CudaSdpaRule(prefill=Supports(), graph_build_ms=0)
     for want in (first, then):
         pick = ask(rule, cu, lens, G128)
         assert (pick.prefill if pick else ()) == want
@@ -126,12 +128,31 @@ def test_rule_hands_cached_long_suffixes_to_the_prefill_kernel(q_lens, ctx_lens,
     assert ask(rule, cu, lens, other) is None
 
 
+def test_the_prefill_kernels_time_counts_toward_a_graph_at_its_own_rate():
+    """A suffix the prefill kernel takes while its shape has no graph adds the prefill kernel's
+    smaller estimated extra time (CUDA_PREFILL_OVER_SDPA), so it waits for more forwards than
+    on the paged kernel; one it always takes (>= 4x prefix, gathered) adds nothing."""
+    cu, lens = np.array([0, 512]), np.array([1536])  # 2x: SDPA's, once its graph is worth it
+    extra = rules.kernel_extra_ms(512, 1536, G128, 32, rules.CUDA_PREFILL_OVER_SDPA)
+    forwards = math.ceil(rules.CUDA_GRAPH_BUILD_MS / extra)
+    assert forwards > 4 * math.ceil(rules.CUDA_GRAPH_BUILD_MS /
+                                    rules.kernel_extra_ms(512, 1536, G128, 32))
+    rule = rules.CudaSdpaRule(prefill=Supports())
+    assert all(ask(rule, cu, lens, G128, layers=32).prefill == (0,) for _ in range(forwards))
+    pick = ask(rule, cu, lens, G128, layers=32)
+    assert (pick.seqs, pick.prefill) == ((0,), ())
+    always = (np.array([0, 512]), np.array([4608]))  # 8x
+    for _ in range(3):
+        assert ask(rule, *always, G128, layers=32).prefill == (0,)
+    assert not any(shape[4:6] == (512, 4608) for shape in rule._kernel_ms)
+
+
 def test_rule_reads_a_run_of_pages_in_place_once_its_graph_is_built():
     """Pages in one run have no gather to save: the prefill kernel until SDPA's graph for that
     layout is built, then SDPA reading them in place; gathered, the same shape stays on the
     prefill kernel. Beside decode rows, a cached sequence takes the prefill kernel however
     short its prefix is, where the paged kernel took it before."""
-    rule = rules.CudaSdpaRule(prefill=Supports())
+    rule = rules.CudaSdpaRule(prefill=Supports(), graph_build_ms=0)
     cu, lens = np.array([0, 512]), np.array([4608])
     run = np.arange(3, 3 + 288, dtype=np.int32)[None]
     assert ask(rule, cu, lens, G128, run).prefill == (0,)
@@ -157,7 +178,7 @@ def test_a_window_that_cuts_the_keys_keeps_the_prefill_off_sdpa(q_lens, ctx_lens
     g = Geometry(32, 8, 128, 16, mx.bfloat16, 128 ** -0.5, window=window)
     cu, lens = np.array([0, q_lens[0]]), np.array(q_lens) + np.array(ctx_lens)
     run = np.arange(1, 1 + -(-int(lens[0]) // 16), dtype=np.int32)[None]
-    rule = rules.CudaSdpaRule(prefill=Supports())
+    rule = rules.CudaSdpaRule(prefill=Supports(), graph_build_ms=0)
     for table in (None, run, None, run):
         pick = ask(rule, cu, lens, g, table)
     got_prefill = pick.prefill if pick else ()
@@ -167,7 +188,7 @@ def test_a_window_that_cuts_the_keys_keeps_the_prefill_off_sdpa(q_lens, ctx_lens
         assert rules.WINDOW_MASK_REASON in pick.reason
 
 
-def fake_rule(lengths, g, runs):
+def fake_rule(lengths, g, runs, layers):
     """The CUDA rule's prefill choice at a test's size: prefills of >= 8 tokens leave the
     paged kernel, those over a prefix of 4x go to the prefill kernel."""
     q, lens = lengths.q_lens, lengths.seq_lens

@@ -205,6 +205,22 @@ def mixed_backend(name, monkeypatch):
     return KernelBackend(real.name, real.attention, real.gathered)  # its own first-use checks
 
 
+def test_a_forward_plans_each_kind_of_layer_once_for_all_its_layers(monkeypatch):
+    """Every layer of one kind runs its kind's plan, so the dispatcher is told how many do
+    (its rules weigh a cuDNN graph, built once, against time per layer); two kinds split them."""
+    h = Harness("llama-test", "reference")
+    calls = []
+    plan = h.runner.dispatcher.plan
+    monkeypatch.setattr(h.runner.dispatcher, "plan",
+                        lambda meta, g, layers=1: calls.append((g, layers)) or plan(meta, g,
+                                                                                    layers))
+    h.step(ScheduledRequest("a", prompt_of(1, 20), 20, 0, 20, h.blocks(20)))
+    g = h.runner.geometries[0]
+    assert calls == [(g, h.cfg["num_hidden_layers"])]
+    h.runner.geometries = (g, replace(g, softcap=30.0))
+    assert h.runner._layers_of_kind == (1, 1)
+
+
 @pytest.mark.parametrize("backend", [
     pytest.param("metal-emulated", marks=pytest.mark.emulated), *KERNEL_PATHS])
 @pytest.mark.parametrize("model", ["llama-test", "qwen3-test"])
@@ -218,7 +234,7 @@ def test_mixed_path_runs_prefills_on_sdpa_and_decode_rows_on_the_kernel(model, b
     h = Harness(model, "reference", mx.float16)
     h.runner.dispatcher = Dispatcher(
         "auto", backends={backend: mixed_backend(backend, monkeypatch)}, strict=True,
-        rule_of=lambda b: lambda lengths, g, runs: rules.cuda_prefers_sdpa(lengths))
+        rule_of=lambda b: lambda lengths, g, runs, layers: rules.cuda_prefers_sdpa(lengths))
     shared = prompt_of(100, 48)
     p_dec, p_hit, p_new = shared + prompt_of(1, 9), shared + prompt_of(2, 30), prompt_of(3, 41)
     b_dec, b_new = h.blocks(80), h.blocks(41)

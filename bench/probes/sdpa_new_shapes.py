@@ -6,9 +6,9 @@
    yet: the first call against the same call again (bf16, H=32, Hkv=8, D=64).
 2. A serving-like pass: 32 prompts of 2304 tokens prefilled by a 1.1B model in 2048-token steps
    (vLLM's chunked prefill packs whatever fits, so most steps hold new (query, key) lengths):
-   auto three times over the same steps (jit_kernels.rules.CudaSdpaRule: a shape's first request
-   runs the kernel; the second pass runs SDPA and builds every graph; the third finds them
-   built), then the paged kernel alone.
+   auto three times over the same steps, each pass with a fresh dispatcher
+   (paged_prefix.rules.CudaSdpaRule: a shape goes to SDPA once its graph is built or the paged
+   kernel's estimated extra time on it has paid for one), then the paged kernel alone.
 """
 
 from __future__ import annotations
