@@ -2,7 +2,7 @@
 backend's paged kernel, and which of those the Hopper prefill kernel takes instead.
 
 Both paths compute the same function; a rule only picks the faster one, per sequence. The
-measurements behind every threshold are in docs/kernels.md ("Routing"), with their raw files.
+measurements behind every threshold are in docs/kernels.md ("How routing picks a path"), with their raw files.
 A rule's state (the cuDNN graphs MLX has built) belongs to one dispatcher and is bounded.
 """
 
@@ -34,7 +34,7 @@ CUDA_GRAPH_BUILD_MS = 1000.0
 # H200 (GPU alone), where the paged kernel took 0.95-2.53x its time at 256-512 new tokens
 # (docs/h200/crossover_mma_sync.txt): taken as twice, which overstates the saving elsewhere. The
 # Hopper prefill kernel took up to 1.11x gather + SDPA's time where SDPA may take its sequences
-# (docs/kernels.md, "Routing").
+# (docs/kernels.md, "How routing picks a path").
 CUDA_SDPA_TFLOPS = 280.0
 CUDA_KERNEL_OVER_SDPA = 2.0
 CUDA_PREFILL_OVER_SDPA = 1.11
