@@ -31,10 +31,12 @@ metal). A forced kernel that cannot run the call raises ValueError: no silent fa
 from __future__ import annotations
 
 import logging
+import operator
 import os
 from collections import Counter
 
 import mlx.core as mx
+import numpy as np
 
 from jit_kernels import (
     AttentionKernel,
@@ -112,14 +114,18 @@ class Dispatcher:
         """Route, validate (canary on first use) and plan one forward of `layers` layers of
         this geometry (the rules weigh a cuDNN graph, built once, against time per layer);
         nothing is written."""
-        if not isinstance(layers, int) or isinstance(layers, bool) or layers < 1:
+        try:
+            count = None if isinstance(layers, (bool, np.bool_)) else operator.index(layers)
+        except TypeError:
+            count = None
+        if count is None or count < 1:
             raise ValueError(f"layers: expected a number of layers >= 1, got {layers!r}")
         if g.block_size != meta.block_size:
             raise ValueError(f"geometry: block size {g.block_size} but the metadata was built "
                              f"for {meta.block_size}")
         try:
             chosen = route(meta.lengths, meta.block_tables_host, g, self.path, self.backends,
-                           self.rules, layers)
+                           self.rules, count)
         except ValueError as e:
             raise ValueError(f"{ENV_VAR}/{e}") from None
         chosen = self._validated(chosen, g)

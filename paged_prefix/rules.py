@@ -154,8 +154,10 @@ class CudaSdpaRule:
                   for s in rest}
         mixed = len(pick.seqs) < lengths.num_seqs
         built = {shape for shape in shapes.values() if shape in self._built}
+        # a sum of per-forward estimates may land a rounding short of a cost it equals
+        paid = self.graph_build_ms * (1 - 1e-9)
         due = set() if mixed else {shape for shape in shapes.values() if shape not in built and
-                                   self._kernel_ms.get(shape, -1.0) >= self.graph_build_ms}
+                                   self._kernel_ms.get(shape, -1.0) >= paid}
         sdpa = [s for s in rest if shapes[s] in built | due]
         self._touch(self._built, ((shapes[s], None) for s in sdpa))
         for shape in due:

@@ -261,11 +261,12 @@ def test_the_rule_weighs_the_layers_a_plan_serves():
     meta = build_attention_metadata([9, 1], [20, 40], c.pages, 16, c.num_blocks)
     d.plan(meta, GEOMETRY)
     d.plan(meta, GEOMETRY, 24)
-    assert seen == [1, 24]
-    for bad in (0, -2, 2.0, True, None):
+    d.plan(meta, GEOMETRY, np.int64(3))  # a count numpy made
+    assert seen == [1, 24, 3] and all(type(n) is int for n in seen)
+    for bad in (0, -2, 2.0, True, np.True_, None, "3"):
         with pytest.raises(ValueError, match="layers"):
             d.plan(meta, GEOMETRY, bad)
-    assert seen == [1, 24]
+    assert seen == [1, 24, 3]
 
 
 def test_rule_state_belongs_to_its_dispatcher():

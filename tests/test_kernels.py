@@ -579,6 +579,37 @@ def test_cuda_rule_counts_mixed_batches_kernel_time_but_builds_in_none():
     assert ask(rule, *mixed, g, layers=32).seqs == (1,)  # built: mixed batches take it too
 
 
+def test_cuda_rule_counts_what_ran_on_the_kernel_and_nothing_else():
+    """The sum is what the kernels ran: a build at exactly the cost (however the sum rounds),
+    each sequence of a shape in a batch, nothing for a sequence SDPA ran, nothing left for a
+    shape once built; a built shape reused moves up in the LRU; sequences a window keeps off
+    SDPA do not make a batch of long prefills a mixed one."""
+    g = Geometry(32, 8, 128, 16, mx.bfloat16, 128 ** -0.5)
+
+    def seqs(rule, q_lens, ctx, geometry=g):
+        cu = np.concatenate([[0], np.cumsum(q_lens)])
+        pick = ask(rule, cu, np.array(q_lens) + np.array(ctx), geometry)
+        return pick.seqs if pick else ()
+    e = rules.kernel_extra_ms(512, 512, g, 1)
+    at_cost = rules.CudaSdpaRule(graph_build_ms=7 * e)  # 7 e rounds above the sum of 7 e's
+    assert [seqs(at_cost, [512], [0]) for _ in range(8)] == [()] * 7 + [(0,)]
+    twice = rules.CudaSdpaRule(graph_build_ms=1.5 * e)
+    assert seqs(twice, [512, 512], [0, 0]) == ()
+    assert seqs(twice, [512], [0]) == (0,)  # both sequences counted
+    small = rules.CudaSdpaRule(capacity=2, graph_build_ms=0)
+    for q in (300, 400, 400, 400, 500):  # 400 built, then run on SDPA: no sum kept for it
+        seqs(small, [q], [0])
+    assert seqs(small, [300], [0]) == (0,)  # so 300's sum was not evicted
+    lru = rules.CudaSdpaRule(capacity=2, graph_build_ms=0)
+    for q in (300, 300, 400, 400, 300, 500, 500):  # 300 reused after 400: 400 is evicted
+        seqs(lru, [q], [0])
+    assert seqs(lru, [300, 1], [0, 50]) == (0,)
+    windowed = Geometry(32, 8, 128, 16, mx.bfloat16, 128 ** -0.5, window=1024)
+    rule = rules.CudaSdpaRule(graph_build_ms=0)
+    assert seqs(rule, [512, 512], [4096, 0], windowed) == ()
+    assert seqs(rule, [512, 512], [4096, 0], windowed) == (1,)  # builds: the batch is all long
+
+
 @pytest.mark.parametrize("bad", [-1.0, float("nan"), "1000", True, None])
 def test_cuda_rule_refuses_a_bad_graph_cost(bad):
     with pytest.raises(ValueError, match="graph_build_ms"):
