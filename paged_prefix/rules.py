@@ -163,6 +163,7 @@ class CudaSdpaRule:
         for shape in due:
             self._kernel_ms.pop(shape)
         waiting = [s for s in rest if prefill_runs and s not in sdpa and seq_lens[s] > q_lens[s]]
+        # each sequence a kernel runs adds its estimate: a shape's sequences in one batch add up
         self._touch(self._kernel_ms, (
             (shapes[s], self._kernel_ms.get(shapes[s], 0.0) + kernel_extra_ms(
                 int(q_lens[s]), int(seq_lens[s]), g, layers,
