@@ -31,12 +31,10 @@ metal). A forced kernel that cannot run the call raises ValueError: no silent fa
 from __future__ import annotations
 
 import logging
-import operator
 import os
 from collections import Counter
 
 import mlx.core as mx
-import numpy as np
 
 from jit_kernels import (
     AttentionKernel,
@@ -51,6 +49,7 @@ from jit_kernels.geometry import Geometry
 from . import canary, rules
 from .attention_metadata import AttentionMetadata
 from .route import Route, Source, route
+from .validate import as_int
 
 ENV_VAR = "PAGED_PREFIX_ATTENTION"
 STRICT_ENV_VAR = "PAGED_PREFIX_STRICT_KERNELS"
@@ -114,12 +113,7 @@ class Dispatcher:
         """Route, validate (canary on first use) and plan one forward of `layers` layers of
         this geometry (the rules weigh a cuDNN graph, built once, against time per layer);
         nothing is written."""
-        try:
-            count = None if isinstance(layers, (bool, np.bool_)) else operator.index(layers)
-        except TypeError:
-            count = None
-        if count is None or count < 1:
-            raise ValueError(f"layers: expected a number of layers >= 1, got {layers!r}")
+        count = as_int(layers, "layers", low=1)
         if g.block_size != meta.block_size:
             raise ValueError(f"geometry: block size {g.block_size} but the metadata was built "
                              f"for {meta.block_size}")

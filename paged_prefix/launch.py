@@ -5,9 +5,10 @@ the stream's CUDA graph: 1.3-1.6 ms for the 1.1B config's 16 layers on the H200,
 docs/results.md, "H200: against mlx-lm's server"), during which the calling thread waits with
 Python's GIL released. `StepLauncher(threaded=True)` runs it on a thread of its own, so that
 the encoding overlaps what the calling thread does next: vLLM's engine taking the step
-before's output and scheduling the next, and the next step's plan. On an H100 it took the
-served TPOT of one request at a time from 7.0 to 5.4 ms (docs/results.md, "H100: the launch
-thread"). So it is the default on CUDA; PAGED_PREFIX_LAUNCH_THREAD=0 or 1 sets it anywhere.
+before's output and scheduling the next, and the next step's plan. Served one request at a
+time on H100s, TPOT was 0.78-1.32x mlx-lm's server's in four runs with it and 1.08-1.40x in two
+without (docs/results.md, "H100: the launch thread"). So it is the default on CUDA;
+PAGED_PREFIX_LAUNCH_THREAD=0 or 1 sets it anywhere.
 
 MLX gives every thread its own default stream and command encoder, and a thread can evaluate
 only its own streams' ops or those of a stream made by `mx.new_thread_unsafe_stream`, whose one

@@ -24,6 +24,5 @@ from .paged_attention import (
 )
 
 __all__ = ["check_arrays", "check_lengths", "check_paged_inputs", "check_scale", "check_variant",
-           "gather_kv",
-           "heads_first", "host_ints", "joined_sdpa", "key_start", "masked_sdpa",
+           "gather_kv", "heads_first", "host_ints", "joined_sdpa", "key_start", "masked_sdpa",
            "paged_attention", "sdpa", "tokens_first", "window_mask"]
