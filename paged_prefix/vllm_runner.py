@@ -179,16 +179,27 @@ class VllmModelRunner:
         mx.eval(self.model)
         self._limits = limits
 
-    def warm_up_limit(self) -> int:
-        """The longest prefill `warm_up` can run in this cache."""
-        return warmup.warm_up_limit(self._core("warm_up_limit").kv_cache)
+    def warm_up_limit(self, prompts: int = 1) -> int:
+        """The longest prefill `warm_up` can run in this cache for `prompts` prompts."""
+        return warmup.warm_up_limit(self._core("warm_up_limit").kv_cache, prompts)
 
-    def warm_up(self, num_tokens: int) -> None:
+    def warm_up_shape(self, step_tokens: int, longest: int, least: int) -> tuple[int, int]:
+        """(prompts, tokens each) of a warm-up shaped as a burst's step (`warmup.py`)."""
+        return warmup.warm_up_shape(self._core("warm_up_shape"), step_tokens, longest, least)
+
+    def warm_up(self, num_tokens: int, prompts: int = 1) -> None:
         """Real forwards and sampling before the first request (`warmup.py`); no request
         state is kept."""
         runner = self._core("warm_up")
         self.launcher.wait()
-        warmup.warm_up(runner, self.sampler, num_tokens)
+        warmup.warm_up(runner, self.sampler, num_tokens, prompts)
+        # a step beside a decode row reads the row's pending token with a gather, whose
+        # kernels MLX's CUDA backend compiles on first use (by the dtype of argmax's tokens):
+        # 3.9 s inside a burst's first step on an H100 (docs/results.md, "H100: a burst's
+        # first step")
+        tokens = device_argmax(mx.zeros((2, 2), dtype=mx.float32))
+        mx.eval(read_pending(tokens, np.array([-1, 1, 0], dtype=np.int32),
+                             mx.zeros((3,), dtype=mx.int32)))
 
     def _core(self, caller: str) -> PagedModelRunner:
         if self.runner is None:
@@ -284,17 +295,8 @@ class VllmModelRunner:
                 source[first + position - attn.context_lens_host[s]] = row_of[r]
         if (source < 0).all():
             return meta
-        if np.array_equal(source, np.arange(len(running.tokens))):
-            # every row the token sampled for it, in the same order (a decode step of the
-            # same requests): the tokens themselves, with no host-written index or mask
-            read = running.tokens
-        else:
-            read = mx.take(running.tokens, mx.array(np.maximum(source, 0)))
-        read = read.astype(meta.input_ids.dtype)
-        if (source >= 0).all():
-            return dataclasses.replace(meta, input_ids=read)
-        return dataclasses.replace(meta, input_ids=mx.where(mx.array(source >= 0), read,
-                                                            meta.input_ids))
+        return dataclasses.replace(meta, input_ids=read_pending(running.tokens, source,
+                                                                meta.input_ids))
 
     def _read(self, requests: dict[str, RequestState]) -> dict[str, RequestState]:
         """`requests` with the running step's sampled tokens read (waiting for it)."""
@@ -408,6 +410,21 @@ class VllmModelRunner:
                      1e3 * (time.perf_counter() - start), 1e3 * (built - start),
                      1e3 * (waited - built), start, idle, mx.get_active_memory() / 2**20,
                      mx.get_cache_memory() / 2**20)
+
+
+def read_pending(tokens: mx.array, source: np.ndarray, input_ids: mx.array) -> mx.array:
+    """`input_ids` with row i read from `tokens[source[i]]` where `source[i] >= 0`: a step's
+    pending tokens, read on the device from the tokens of the step that sampled them."""
+    if np.array_equal(source, np.arange(len(tokens))):
+        # every row the token sampled for it, in the same order (a decode step of the same
+        # requests): the tokens themselves, with no host-written index or mask
+        read = tokens
+    else:
+        read = mx.take(tokens, mx.array(np.maximum(source, 0)))
+    read = read.astype(input_ids.dtype)
+    if (source >= 0).all():
+        return read
+    return mx.where(mx.array(source >= 0), read, input_ids)
 
 
 class SampledOnDevice(AsyncModelRunnerOutput):
