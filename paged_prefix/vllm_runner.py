@@ -179,24 +179,20 @@ class VllmModelRunner:
         mx.eval(self.model)
         self._limits = limits
 
-    def warm_up_limit(self, prompts: int = 1) -> int:
-        """The longest prefill `warm_up` can run in this cache for `prompts` prompts."""
-        return warmup.warm_up_limit(self._core("warm_up_limit").kv_cache, prompts)
+    def warm_up_limit(self) -> int:
+        """The longest prefill `warm_up` can run in this cache."""
+        return warmup.warm_up_limit(self._core("warm_up_limit").kv_cache)
 
-    def warm_up_shape(self, step_tokens: int, longest: int, least: int) -> tuple[int, int]:
-        """(prompts, tokens each) of a warm-up shaped as a burst's step (`warmup.py`)."""
-        return warmup.warm_up_shape(self._core("warm_up_shape"), step_tokens, longest, least)
-
-    def warm_up(self, num_tokens: int, prompts: int = 1) -> None:
-        """Real forwards and sampling before the first request (`warmup.py`); no request
-        state is kept."""
+    def warm_up(self, num_tokens: int) -> None:
+        """Real forwards and sampling before the first request (`warmup.py`), then the read
+        of a pending token a mixed step makes; no request state is kept."""
         runner = self._core("warm_up")
         self.launcher.wait()
-        warmup.warm_up(runner, self.sampler, num_tokens, prompts)
-        # a step beside a decode row reads the row's pending token with a gather, whose
-        # kernels MLX's CUDA backend compiles on first use (by the dtype of argmax's tokens):
-        # 3.9 s inside a burst's first step on an H100 (docs/results.md, "H100: a burst's
-        # first step")
+        warmup.warm_up(runner, self.sampler, num_tokens)
+        # a step of prompts beside a decode row reads the row's pending token with a gather,
+        # whose kernels MLX's CUDA backend compiles on first use for argmax's token dtype: a
+        # served burst's first such step took 3.9 s on an H100 without this (docs/results.md,
+        # "H100: a burst's first step")
         tokens = device_argmax(mx.zeros((2, 2), dtype=mx.float32))
         mx.eval(read_pending(tokens, np.array([-1, 1, 0], dtype=np.int32),
                              mx.zeros((3,), dtype=mx.int32)))

@@ -4,12 +4,6 @@ One-time costs (kernel builds, MLX's compiled scatter, the sampler's compiled he
 paid here rather than in the first request's latency. The warm-up writes only into blocks that
 no request can own yet (never block 0, vLLM's null block) and keeps no request state; with
 several KV-cache groups each group has blocks of its own, as vLLM's pool hands them out.
-
-Its first forward is shaped as a burst's step on a GPU (`warm_up_shape`): the step's whole
-token budget, as several prompts of at most the longest a request may have, beside a decode
-row. With one prompt of max_model_len - 1 tokens on an H100, a served burst's first step of
-8,192 tokens over four prompts and a decode row took 3.9 s, where its later steps took 60 ms
-(docs/results.md, "H100: a burst's first step").
 """
 
 from __future__ import annotations
@@ -24,46 +18,25 @@ from .metadata import ScheduledRequest, build_batch_metadata
 from .runner import PagedModelRunner
 from .state_cache import RecurrentStateCache
 from .state_metadata import StateLedger, StateMetadata, StateRequest, build_state_metadata, commit
-from .validate import as_int
 from .vllm_sampling import BatchSampler, SamplingRow, make_generator
 
 
-def warm_up_limit(cache: PagedKVCache, prompts: int = 1) -> int:
-    """The longest prefill `warm_up` can run in this cache for `prompts` prompts: each
-    request (the prompts, and a decode row one token longer) needs its own blocks in each
-    group."""
-    prompts = as_int(prompts, "prompts", low=1)
-    return (cache.num_blocks - 1) // ((prompts + 1) * len(cache.windows)) * cache.block_size - 1
+def warm_up_limit(cache: PagedKVCache) -> int:
+    """The longest prefill `warm_up` can run in this cache: its two requests (the prefill,
+    and a decode row one token longer) each need their own blocks in each group."""
+    return (cache.num_blocks - 1) // (2 * len(cache.windows)) * cache.block_size - 1
 
 
-def warm_up_shape(runner: PagedModelRunner, step_tokens: int, longest: int,
-                  least: int) -> tuple[int, int]:
-    """(prompts, tokens each) of a first forward shaped as a burst's step: `step_tokens` (the
-    scheduler's budget a step) in prompts of at most `longest` tokens (max_model_len - 1),
-    with room for the decode row beside them (one prompt for a hybrid model); fewer tokens
-    each where the cache cannot hold them, never fewer than `least`."""
-    step_tokens = as_int(step_tokens, "step_tokens", low=2)
-    longest = as_int(longest, "longest", low=1)
-    prompts = 1 if runner.state_cache is not None else -(-(step_tokens - 1) // longest)
-    tokens = min(longest, (step_tokens - 1) // prompts, warm_up_limit(runner.kv_cache, prompts))
-    return prompts, max(least, tokens)
-
-
-def warm_up(runner: PagedModelRunner, sampler: BatchSampler, num_tokens: int,
-            prompts: int = 1) -> None:
-    """`prompts` prefills of `num_tokens` each and a decode row, two decode rows alone, then
-    the first prompt again with its first half cached; and their sampling, greedy and at
-    random with penalties and logprobs. A hybrid model's recurrent states warm with one
-    prompt (`prompts` must be 1)."""
+def warm_up(runner: PagedModelRunner, sampler: BatchSampler, num_tokens: int) -> None:
+    """A `num_tokens` prefill and a decode row, two decode rows alone, then the prefill again
+    with its first half cached; and their sampling, greedy and at random with penalties and
+    logprobs."""
     cache, vocab, groups = runner.kv_cache, runner.vocab_size, len(runner.kv_cache.windows)
-    prompts = as_int(prompts, "prompts", low=1)
-    if prompts > 1 and runner.state_cache is not None:
-        raise ValueError("prompts: a hybrid model's warm-up runs one prompt")
     per_request = -(-(num_tokens + 1) // cache.block_size)
-    needed = (prompts + 1) * per_request * groups + 1
-    if needed > cache.num_blocks:
-        raise ValueError(f"num_tokens: a warm-up of {prompts} x {num_tokens} tokens needs "
-                         f"{needed} blocks, the cache has {cache.num_blocks}")
+    if 2 * per_request * groups + 1 > cache.num_blocks:
+        raise ValueError(f"num_tokens: a warm-up of {num_tokens} tokens needs "
+                         f"{2 * per_request * groups + 1} blocks, the cache has "
+                         f"{cache.num_blocks}")
     tokens = [i % vocab for i in range(num_tokens + 1)]
 
     ledger: StateLedger = {}  # a hybrid model's state blocks: this warm-up's own
@@ -79,15 +52,12 @@ def warm_up(runner: PagedModelRunner, sampler: BatchSampler, num_tokens: int,
             commit(ledger, meta.states)
         return logits
 
-    # Every other block for the first prompt: its rows then land in many runs of slots, so
-    # the first forward's cache writes take the scatter (MLX's CUDA backend compiles its
-    # scatter kernels with NVRTC on first use); the decode rows alone take slice updates. The
-    # other prompts have a run of blocks each.
-    starts = [1 + (prompts + 1) * per_request * g for g in range(groups)]
+    # Every other block: a long prefill's rows then land in many runs of slots, so its
+    # cache writes take the scatter (MLX's CUDA backend compiles its scatter kernels with
+    # NVRTC on first use), while the decode rows' two runs take the slice updates.
+    starts = [1 + 2 * per_request * g for g in range(groups)]
     first = tuple(list(range(a, a + 2 * per_request, 2)) for a in starts)
     second = tuple(list(range(a + 1, a + 2 * per_request, 2)) for a in starts)
-    more = [tuple(list(range(a + (1 + p) * per_request, a + (2 + p) * per_request))
-                  for a in starts) for p in range(1, prompts)]
     if runner.state_cache is not None:
         # a hybrid model's recurrent states follow each request: a prefill alone, then its
         # decode row beside a second prefill, then both decode rows (n + 2 tokens at most)
@@ -101,8 +71,6 @@ def warm_up(runner: PagedModelRunner, sampler: BatchSampler, num_tokens: int,
         return
     logits = forward(
         ScheduledRequest("warmup-prefill", tokens[:num_tokens], num_tokens, 0, num_tokens, first),
-        *(ScheduledRequest(f"warmup-prefill-{p}", tokens[:num_tokens], num_tokens, 0, num_tokens,
-                           blocks) for p, blocks in enumerate(more, 1)),
         ScheduledRequest("warmup-decode", tokens, num_tokens, num_tokens, 1, second))
     # decode rows alone, as most serving steps are (their own tile plans and MLX kernels)
     forward(*(ScheduledRequest(f"warmup-decode-{i}", tokens, num_tokens, num_tokens, 1, part)
@@ -111,7 +79,7 @@ def warm_up(runner: PagedModelRunner, sampler: BatchSampler, num_tokens: int,
     if hit:  # the cached-prefix path too: the prompt again, its first half read back
         forward(ScheduledRequest("warmup-hit", tokens[:num_tokens], num_tokens, hit,
                                  num_tokens - hit, first))
-    _sample(sampler, logits[:2], tokens, num_tokens)  # two rows: the first prompt's, the next
+    _sample(sampler, logits, tokens, num_tokens)
 
 
 def _sample(sampler: BatchSampler, logits: mx.array, tokens: list[int], num_tokens: int) -> None:

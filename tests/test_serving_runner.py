@@ -10,7 +10,6 @@ from __future__ import annotations
 import copy
 import dataclasses
 import logging
-from types import SimpleNamespace
 
 import mlx.core as mx
 import numpy as np
@@ -20,7 +19,7 @@ from vllm.config import SchedulerConfig, VllmConfig
 from vllm.v1.core.sched.output import NewRequestData
 
 from bench import ttft_breakdown
-from paged_prefix import launch, vllm_runner, warmup
+from paged_prefix import launch, vllm_runner
 from paged_prefix.engine import Engine, EngineConfig
 from paged_prefix.kv_groups import kv_cache_config, layer_specs
 from paged_prefix.models import build_model, resolve_config
@@ -325,55 +324,6 @@ def test_warm_up_fits_the_runner_it_warms(config, max_num_seqs, monkeypatch):
     for forward in range(0, len(written), groups):  # a forward's groups write apart
         blocks = np.concatenate(written[forward:forward + groups])
         assert 0 not in blocks and len(np.unique(blocks)) == len(blocks)
-
-
-def test_warm_up_is_shaped_as_a_bursts_step():
-    """On a GPU the first warm-up forward is the step's token budget in prompts of at most
-    max_model_len - 1, beside a decode row (a burst's first step): no more tokens than the
-    budget, as few prompts as that takes, each as long as the cache allows; one prompt for a
-    hybrid model."""
-    core = make_runner().runner
-    cache = core.kv_cache  # 32 blocks of 16: 3 prompts and the decode row fit 111 tokens each
-    assert warmup.warm_up_limit(cache, 3) == 111 and warmup.warm_up_limit(cache) == 239
-    shape = warmup.warm_up_shape
-    assert shape(core, 200, 199, 16) == (1, 199)  # 199 + the decode row = the budget
-    assert shape(core, 200, 99, 16) == (3, 66)  # 3 x 66 + 1 <= 200
-    assert shape(core, 8192, 4095, 16) == (3, 111)  # the cache's limit
-    assert shape(core, 8192, 4095, 200) == (3, 200)  # never fewer than `least` (warm_up refuses)
-    hybrid = SimpleNamespace(kv_cache=cache, state_cache=object(), vocab_size=core.vocab_size)
-    assert shape(hybrid, 200, 99, 16) == (1, 99)
-    with pytest.raises(ValueError, match="prompts: a hybrid"):
-        warmup.warm_up(hybrid, None, 40, prompts=2)
-    for bad in (0, 1.5, True):
-        with pytest.raises(ValueError, match="prompts"):
-            warmup.warm_up_limit(cache, bad)
-    with pytest.raises(ValueError, match="step_tokens"):
-        shape(core, 1, 99, 16)
-
-
-def test_warm_up_of_several_prompts_runs_them_in_its_first_forward(monkeypatch):
-    """The burst-shaped warm-up: its first forward holds every prompt and the decode row,
-    each in blocks of its own (never block 0); then the decode rows alone and the first
-    prompt's cached half, as with one prompt."""
-    runner = make_runner()
-    core = runner.runner
-    written = []
-    slots = core.kv_cache.slots
-    monkeypatch.setattr(core.kv_cache, "slots",
-                        lambda host, *a: written.append(host // BS) or slots(host, *a))
-    n = 60
-    runner.warm_up(n, prompts=3)
-    hit = n // 2 // BS * BS
-    assert core.stats.forwards == 3
-    assert core.stats.tokens_computed == 3 * n + 1 + 2 + (n - hit)
-    first = written[0]
-    assert len(first) == 3 * n + 1 and 0 not in first
-    blocks = [set(first[i * n:(i + 1) * n].tolist()) for i in range(3)] + [{int(first[-1])}]
-    assert sum(map(len, blocks)) == len(set().union(*blocks))  # no block shared
-    assert all(len(b) == -(-n // BS) for b in blocks[:3])
-    assert not runner.requests
-    with pytest.raises(ValueError, match="num_tokens"):
-        runner.warm_up(runner.warm_up_limit(3) + 1, prompts=3)
 
 
 def test_warm_up_reads_a_pending_token_as_a_mixed_step_does(monkeypatch):

@@ -38,13 +38,10 @@ from .memory import MiB, activation_peak, bound_buffer_cache, measure_budget, pr
 
 logger = logging.getLogger(__name__)
 
-# The warm-up prefill's length on the CPU. On a GPU its first forward is a burst's step
-# instead (`warmup.warm_up_shape`: the step's token budget in prompts of at most
-# max_model_len - 1, beside a decode row): MLX and the paged kernels compile variants on first
-# use, and a long step takes some that a short one does not (on the H200, after a 16-token
-# warm-up, the first requests of a served 1.1B model waited ~2.5 s; on an H100, after one
-# prompt of 4,095 tokens, a burst's first step of 8,192 tokens over four prompts waited 3.9 s:
-# docs/results.md, "H100: a burst's first step").
+# The warm-up prefill's length on the CPU. On a GPU it is the step's token budget instead: MLX
+# and the paged kernels compile variants on first use, and a long prefill takes some that a
+# short one does not (on the H200, after a 16-token warm-up, the first requests of a served
+# 1.1B model waited ~2.5 s; the larger warm-up is meant to take that, and was not re-measured).
 WARMUP_TOKENS = 16
 
 
@@ -200,15 +197,14 @@ class MLXWorker(WorkerBase):
 
     def compile_or_warm_up_model(self) -> CompilationTimes:
         start = time.perf_counter()
-        prompts, num_tokens = 1, WARMUP_TOKENS
+        num_tokens = WARMUP_TOKENS
         if mx.default_device() == mx.gpu:
             budget = self.vllm_config.scheduler_config.max_num_batched_tokens
-            prompts, num_tokens = self.runner.warm_up_shape(
-                budget, self.model_config.max_model_len - 1, WARMUP_TOKENS)
-        self.runner.warm_up(num_tokens, prompts)
+            num_tokens = max(WARMUP_TOKENS, min(budget, self.model_config.max_model_len - 1,
+                                                self.runner.warm_up_limit()))
+        self.runner.warm_up(num_tokens)
         elapsed = time.perf_counter() - start
-        logger.info("paged_prefix worker: warm-up forward and sampling in %.1f s (%d x %d "
-                    "prompt tokens and a decode row first)", elapsed, prompts, num_tokens)
+        logger.info("paged_prefix worker: warm-up forward and sampling in %.1f s", elapsed)
         set_random_seed(self.model_config.seed)  # as vLLM's workers: warm-up draws nothing seen
         return CompilationTimes(language_model=elapsed, encoder=0.0)
 
