@@ -45,8 +45,9 @@ def _bars(ax, groups: list[str], series: dict[str, list[float]], fmt: str = "{:.
         ax.bar_label(bars, [fmt.format(v) for v in values], fontsize=6 if many else 8,
                      rotation=90 if many else 0, padding=2)
     ax.set_xticks(range(len(groups)), groups, fontsize=7 if len(groups) > 16 else 9)
-    ax.margins(y=0.15)
-    ax.legend(fontsize=8)
+    # headroom above the tallest bar's label for the legend, which would otherwise hide a value
+    ax.set_ylim(0, 1.35 * max(max(v) for v in series.values()))
+    ax.legend(fontsize=8, loc="upper right")
 
 
 def per_request(runs: dict[str, list[float]], title: str, path: Path) -> None:
