@@ -46,7 +46,8 @@ def _bars(ax, groups: list[str], series: dict[str, list[float]], fmt: str = "{:.
                      rotation=90 if many else 0, padding=2)
     ax.set_xticks(range(len(groups)), groups, fontsize=7 if len(groups) > 16 else 9)
     # headroom above the tallest bar's label for the legend, which would otherwise hide a value
-    ax.set_ylim(0, 1.35 * max(max(v) for v in series.values()))
+    # (bars stick to 0, so the margin goes on top only)
+    ax.margins(y=0.35)
     ax.legend(fontsize=8, loc="upper right")
 
 
