@@ -6,8 +6,9 @@ docs/results.md, "H200: against mlx-lm's server"), during which the calling thre
 Python's GIL released. `StepLauncher(threaded=True)` runs it on a thread of its own, so that
 the encoding overlaps what the calling thread does next: vLLM's engine taking the step
 before's output and scheduling the next, and the next step's plan. Served one request at a
-time on H100s, TPOT was 0.78-1.32x mlx-lm's server's in four runs with it and 1.08-1.40x in two
-without (docs/results.md, "H100: the launch thread"). So it is the default on CUDA;
+time on H100s, TPOT was 0.78-1.32x mlx-lm's server's in seven runs with it (0.88-0.94x in the
+last three, on one machine) and 1.08-1.40x in two without (docs/results.md, "H100: the launch
+thread" and "H100 at 0fd67d3"). So it is the default on CUDA;
 PAGED_PREFIX_LAUNCH_THREAD=0 or 1 sets it anywhere.
 
 MLX gives every thread its own default stream and command encoder, and a thread can evaluate
